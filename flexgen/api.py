@@ -1,0 +1,224 @@
+"""``flex_attention``: the same call as ``torch.nn.attention.flex_attention``.
+
+Checks the inputs, traces the score_mod, picks (or generates) the kernel for
+this combination of mods, dtypes and head dims, and launches it. Everything
+expensive (sympy, rendering, compiling) happens once per new combination; a
+repeated call is a trace of the score_mod plus dict lookups.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from . import launch
+from .block_mask import BlockMask
+from .cache import source
+from .errors import InputError, expected
+from .lowering import lower
+from .spec import KernelSpec
+from .trace import trace
+
+DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+OPTION_KEYS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
+# torch's kernel_options that only tune torch's own kernels: accepted, no effect here.
+TORCH_ONLY_OPTIONS = {"PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS",
+                      "OUTPUT_LOGSUMEXP", "FORCE_USE_FLEX_ATTENTION", "WRITE_DQ", "BACKEND",
+                      "USE_TMA", "num_consumer_groups", "num_buffers_warp_spec"}
+
+# Set FLEXGEN_POISON=1 (the tests do) to fill outputs with NaN before each
+# launch, so an element the kernel fails to write shows up.
+POISON = os.environ.get("FLEXGEN_POISON") == "1"
+
+
+def default_options(head_dim: int, device: torch.device, sparse_q: int, sparse_kv: int) -> dict:
+    """Tile sizes and launch options for a head dim on a device (clamped to the sparse blocks)."""
+    if device.type != "cuda":
+        # The interpreter's cost is per operation, not per element: few large tiles.
+        opts = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1)
+    elif head_dim <= 64:
+        opts = dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+    elif head_dim <= 128:
+        opts = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    else:
+        opts = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    opts["BLOCK_M"] = min(opts["BLOCK_M"], sparse_q)
+    opts["BLOCK_N"] = min(opts["BLOCK_N"], sparse_kv)
+    return opts
+
+
+def _check_tensor(name, t):
+    if not isinstance(t, torch.Tensor):
+        raise expected(name, "a torch.Tensor [B, H, L, D]", type(t).__name__, f"pass {name} as a tensor")
+    if t.dim() != 4:
+        raise expected(name, "a 4-D tensor [B, H, L, D]", f"shape {list(t.shape)}",
+                       "reshape to [batch, heads, length, head_dim] (e.g. x.transpose(1, 2))")
+    if t.dtype not in DTYPES:
+        raise expected(name, "dtype float16, bfloat16 or float32", t.dtype, f"convert with {name}.to(torch.bfloat16)")
+    if t.device.type not in ("cuda", "cpu"):
+        raise expected(name, "a CUDA or CPU tensor", t.device, "move it with .to('cuda') or .cpu()")
+    if t.shape[-1] < 16 or t.shape[-1] > 256:
+        raise expected(f"{name}.shape[-1] (head dim)", "a head dim from 16 to 256", t.shape[-1],
+                       "pad or split the head dim")
+    if t.stride(-1) != 1:
+        raise expected(name, "a tensor whose last dim is contiguous", f"strides {t.stride()}",
+                       f"pass {name}.contiguous()")
+
+
+def _check_inputs(query, key, value, enable_gqa):
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        _check_tensor(name, t)
+    if not (query.dtype == key.dtype == value.dtype):
+        raise expected("key/value", f"the query's dtype {query.dtype}",
+                       f"key {key.dtype}, value {value.dtype}", "convert all three to one dtype")
+    if not (query.device == key.device == value.device):
+        raise expected("key/value", f"the query's device {query.device}",
+                       f"key on {key.device}, value on {value.device}", "move all three to one device")
+    B, Hq, _, D = query.shape
+    if key.shape[0] != B or value.shape[0] != B:
+        raise expected("key/value batch", f"batch {B} like query", f"{key.shape[0]} and {value.shape[0]}",
+                       "give query, key and value the same batch size")
+    if key.shape[1] != value.shape[1] or key.shape[2] != value.shape[2]:
+        raise expected("value", f"the key's heads and length {tuple(key.shape[1:3])}",
+                       tuple(value.shape[1:3]), "key and value must come from the same positions")
+    if key.shape[3] != D:
+        raise expected("key.shape[-1]", f"the query's head dim {D}", key.shape[3],
+                       "query and key need the same head dim (value's may differ)")
+    Hkv = key.shape[1]
+    if Hq != Hkv:
+        if not enable_gqa:
+            raise expected("enable_gqa", f"True when query has {Hq} heads and key/value {Hkv}",
+                           False, "pass enable_gqa=True, or repeat the key/value heads")
+        if Hq % Hkv:
+            raise expected("query heads", f"a multiple of the key/value heads ({Hkv})", Hq,
+                           "use a head count divisible by the number of key/value heads")
+
+
+def _check_block_mask(block_mask, query, key):
+    if not isinstance(block_mask, BlockMask):
+        raise expected("block_mask", "a flexgen BlockMask (from flexgen.create_block_mask) or None",
+                       type(block_mask).__name__, "build it with flexgen.create_block_mask")
+    B, Hq, Q_LEN = query.shape[:3]
+    KV_LEN = key.shape[2]
+    if block_mask.seq_lengths != (Q_LEN, KV_LEN):
+        raise expected("block_mask", f"a mask for Q_LEN={Q_LEN}, KV_LEN={KV_LEN}",
+                       f"one for Q_LEN={block_mask.seq_lengths[0]}, KV_LEN={block_mask.seq_lengths[1]}",
+                       f"create_block_mask(mask_mod, B, H, {Q_LEN}, {KV_LEN})")
+    mB, mH = block_mask.kv_num_blocks.shape[:2]
+    if mB not in (1, B) or mH not in (1, Hq):
+        raise expected("block_mask", f"batch 1 or {B} and heads 1 or {Hq}", f"batch {mB}, heads {mH}",
+                       "create the mask with B and H of the query (or None to broadcast)")
+    if block_mask.device != query.device:
+        raise expected("block_mask", f"a mask on {query.device} like the query", block_mask.device,
+                       f"block_mask.to('{query.device}')")
+
+
+def _options(kernel_options, head_dim, device, sparse_q, sparse_kv) -> dict:
+    opts = default_options(head_dim, device, sparse_q, sparse_kv)
+    for k, v in (kernel_options or {}).items():
+        if k in TORCH_ONLY_OPTIONS:
+            continue
+        if k not in OPTION_KEYS:
+            raise expected("kernel_options", f"keys among {sorted(OPTION_KEYS)}", repr(k),
+                           "remove the key or fix its spelling")
+        if not isinstance(v, int) or v < 1:
+            raise expected(f"kernel_options[{k!r}]", "a positive int", repr(v), "pass an int")
+        opts[k] = v
+    for k, sparse in (("BLOCK_M", sparse_q), ("BLOCK_N", sparse_kv)):
+        if opts[k] < 16 or opts[k] & (opts[k] - 1) or sparse % opts[k]:
+            raise expected(f"kernel_options[{k!r}]", f"a power of two >= 16 dividing the sparse block {sparse}",
+                           opts[k], "use 64 or 128 (or a smaller power of two)")
+    return opts
+
+
+def _check_buffers(traced, device):
+    for i, t in enumerate(traced.buffers):
+        if t.device != device:
+            raise InputError(f"{traced.kind} '{traced.name}': captured tensor {i} (shape {list(t.shape)}) "
+                             f"is on {t.device}, expected {device} like the query. "
+                             f"Fix: move it with .to('{device}')")
+
+
+def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options):
+    """Check everything and decide the kernel: (spec, launch inputs without outputs)."""
+    _check_inputs(query, key, value, enable_gqa)
+    device = query.device
+    B, Hq, Q_LEN, D = query.shape
+    Dv = value.shape[-1]
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise expected("scale", "a float or None", type(scale).__name__, "pass a Python float")
+
+    score_traced = None if score_mod is None else trace(score_mod, "score_mod")
+    score = None if score_traced is None else lower(score_traced)
+    if score_traced is not None:
+        _check_buffers(score_traced, device)
+
+    mask, sparse, mask_buffers = None, None, ()
+    sparse_q = sparse_kv = 128
+    if block_mask is not None:
+        _check_block_mask(block_mask, query, key)
+        sparse_q, sparse_kv = block_mask.BLOCK_SIZE
+        mask_traced = block_mask.traced()
+        _check_buffers(mask_traced, device)
+        mask = lower(mask_traced)
+        mask_buffers = mask_traced.buffers
+        lists = [t.expand(B, Hq, *t.shape[2:]) for t in (
+            block_mask.kv_num_blocks, block_mask.kv_indices,
+            block_mask.full_kv_num_blocks, block_mask.full_kv_indices)]
+        sparse = (*lists, sparse_q, sparse_kv)
+
+    opts = _options(kernel_options, max(D, Dv), device, sparse_q, sparse_kv)
+    spec = KernelSpec(
+        "forward",
+        score=None if score is None else score.snippet,
+        mask=None if mask is None or mask.is_true else mask.snippet,
+        score_buffers=() if score is None else score.buffers,
+        mask_buffers=() if mask is None else mask.buffers,
+        qk_head=D, v_head=Dv, dtype=DTYPES[query.dtype],
+        has_block_mask=block_mask is not None,
+        block_m=opts["BLOCK_M"], block_n=opts["BLOCK_N"],
+        num_warps=opts["num_warps"], num_stages=opts["num_stages"],
+        dot_precision="tf32" if (query.dtype == torch.float32 and device.type == "cuda"
+                                 and torch.backends.cuda.matmul.allow_tf32) else "ieee",
+    )
+    score_buffers = () if score_traced is None else score_traced.buffers
+    return spec, (sparse, score_buffers, mask_buffers, scale)
+
+
+def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
+                   enable_gqa=False, return_lse=False, kernel_options=None):
+    """Attention with a user score_mod and a block-sparse mask, in one generated kernel.
+
+    query ``[B, Hq, Lq, D]``, key ``[B, Hkv, Lkv, D]``, value ``[B, Hkv, Lkv, Dv]``
+    (fp16, bf16 or fp32; D and Dv from 16 to 256; Hq a multiple of Hkv with
+    ``enable_gqa=True``). ``score_mod(score, b, h, q_idx, kv_idx)`` rewrites each
+    scaled score ``q·k * scale`` (scale defaults to 1/sqrt(D)); ``block_mask``
+    (from ``create_block_mask``) removes positions and skips empty blocks.
+    Returns ``out [B, Hq, Lq, Dv]`` in the query's dtype, and with ``return_lse``
+    also the natural-log logsumexp ``[B, Hq, Lq]`` in float32 (-inf, and zero
+    output, for a fully masked row). CPU tensors run through the Triton interpreter.
+    """
+    spec, (sparse, score_buffers, mask_buffers, scale) = _plan(
+        query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options)
+    B, Hq, Q_LEN, _ = query.shape
+    out = torch.empty(B, Hq, Q_LEN, value.shape[-1], dtype=query.dtype, device=query.device)
+    lse = torch.empty(B, Hq, Q_LEN, dtype=torch.float32, device=query.device)
+    if POISON:
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+    launch.run(spec, query.device, query, key, value, out, lse, sparse,
+               score_buffers, mask_buffers, scale)
+    return (out, lse) if return_lse else out
+
+
+def kernel_source(query, key, value, score_mod=None, block_mask=None, scale=None,
+                  enable_gqa=False, kernel_options=None) -> str:
+    """The generated module source ``flex_attention`` would run for these arguments.
+
+    Nothing is launched; the source is what the disk cache holds for the kernel.
+    """
+    spec, _ = _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options)
+    return source(spec)

@@ -1,0 +1,208 @@
+"""Block-sparse masks: which (query block, kv block) tiles a kernel visits.
+
+``create_block_mask`` never builds the dense ``[Q_LEN, KV_LEN]`` mask. It
+classifies blocks with interval bounds of the canonical mask expression
+(``flexgen.bounds``), then runs a generated kernel on the blocks the bounds
+leave undecided, which evaluates mask_mod on their elements. The result is a
+dense ``[B, H, NQ, NKV]`` int8 block state, O(number of blocks), compacted
+into the index lists the attention kernels read (torch's BlockMask layout).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import bounds, launch
+from .errors import InputError, expected
+from .lowering import buffer_map, lower
+from .spec import KernelSpec
+from .trace import trace
+
+
+def _lists(states: torch.Tensor, value: int):
+    """(count [..., N], indices [..., N, M]) of the entries equal to ``value`` along the last dim.
+
+    Indices of matching blocks come first, in increasing order; the rest is padding.
+    """
+    hit = states == value
+    count = hit.sum(-1, dtype=torch.int32)
+    # A stable sort of "not a hit" puts the hits first, each group in index order.
+    order = torch.sort((~hit).to(torch.int8), dim=-1, stable=True).indices
+    return count, order.to(torch.int32)
+
+
+class BlockMask:
+    """Which blocks of the ``[Q_LEN, KV_LEN]`` score matrix are partial, full or skipped.
+
+    Same fields as ``torch.nn.attention.flex_attention.BlockMask``:
+    ``kv_num_blocks`` ``[B, H, NQ]`` and ``kv_indices`` ``[B, H, NQ, NKV]`` list
+    the partially masked kv blocks of each query block (mask_mod applied),
+    ``full_kv_*`` the fully unmasked ones (mask_mod skipped); ``q_*`` and
+    ``full_q_*`` are the transposed lists (per kv block, its query blocks).
+    ``B`` or ``H`` of size 1 broadcasts over the batch or heads.
+    """
+
+    def __init__(self, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                 q_num_blocks, q_indices, full_q_num_blocks, full_q_indices,
+                 BLOCK_SIZE, mask_mod, seq_lengths):
+        self.kv_num_blocks, self.kv_indices = kv_num_blocks, kv_indices
+        self.full_kv_num_blocks, self.full_kv_indices = full_kv_num_blocks, full_kv_indices
+        self.q_num_blocks, self.q_indices = q_num_blocks, q_indices
+        self.full_q_num_blocks, self.full_q_indices = full_q_num_blocks, full_q_indices
+        self.BLOCK_SIZE = tuple(BLOCK_SIZE)
+        self.mask_mod = mask_mod
+        self.seq_lengths = tuple(seq_lengths)
+        self._traced = None
+
+    @classmethod
+    def from_states(cls, states: torch.Tensor, BLOCK_SIZE, mask_mod, seq_lengths) -> "BlockMask":
+        """Build the index lists from an int8 ``[B, H, NQ, NKV]`` of EMPTY / PARTIAL / FULL."""
+        kv_num, kv_idx = _lists(states, bounds.PARTIAL)
+        full_kv_num, full_kv_idx = _lists(states, bounds.FULL)
+        transposed = states.transpose(-1, -2)
+        q_num, q_idx = _lists(transposed, bounds.PARTIAL)
+        full_q_num, full_q_idx = _lists(transposed, bounds.FULL)
+        return cls(kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx,
+                   BLOCK_SIZE, mask_mod, seq_lengths)
+
+    @property
+    def shape(self) -> tuple:
+        """(B, H, Q_LEN, KV_LEN); B or H is 1 where the mask broadcasts."""
+        B, H = self.kv_num_blocks.shape[:2]
+        return (B, H) + self.seq_lengths
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv_num_blocks.device
+
+    def to_dense(self) -> torch.Tensor:
+        """int32 ``[B, H, NQ, NKV]``: 1 where a block is computed (partial or full), else 0."""
+        B, H, nq = self.kv_num_blocks.shape
+        nkv = self.kv_indices.shape[-1]
+        dense = torch.zeros(B, H, nq, nkv, dtype=torch.int32, device=self.device)
+        for num, idx in ((self.kv_num_blocks, self.kv_indices),
+                         (self.full_kv_num_blocks, self.full_kv_indices)):
+            valid = torch.arange(nkv, device=self.device) < num[..., None]
+            dense.scatter_add_(-1, idx.long(), valid.to(torch.int32))
+        return dense
+
+    def block_states(self) -> torch.Tensor:
+        """int8 ``[B, H, NQ, NKV]``: 0 skipped, 1 partial, 2 full."""
+        B, H, nq = self.kv_num_blocks.shape
+        nkv = self.kv_indices.shape[-1]
+        states = torch.zeros(B, H, nq, nkv, dtype=torch.int8, device=self.device)
+        for num, idx, value in ((self.kv_num_blocks, self.kv_indices, bounds.PARTIAL),
+                                (self.full_kv_num_blocks, self.full_kv_indices, bounds.FULL)):
+            valid = torch.arange(nkv, device=self.device) < num[..., None]
+            states.scatter_add_(-1, idx.long(), (valid * value).to(torch.int8))
+        return states
+
+    def sparsity(self) -> float:
+        """Percentage of blocks skipped (neither partial nor full)."""
+        total = self.kv_indices.numel()
+        computed = int(self.kv_num_blocks.sum()) + int(self.full_kv_num_blocks.sum())
+        return 100.0 * (1 - computed / total) if total else 0.0
+
+    def to(self, device) -> "BlockMask":
+        moved = [t.to(device) for t in (
+            self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices,
+            self.q_num_blocks, self.q_indices, self.full_q_num_blocks, self.full_q_indices)]
+        return BlockMask(*moved, self.BLOCK_SIZE, self.mask_mod, self.seq_lengths)
+
+    def traced(self):
+        """The traced mask_mod (traced once, on first use)."""
+        if self._traced is None:
+            self._traced = trace(self.mask_mod, "mask_mod")
+        return self._traced
+
+    def to_string(self, max_blocks: int = 32) -> str:
+        """A picture of the block layout: '█' full, '░' partial, ' ' skipped (first batch and head)."""
+        states = self.block_states()[0, 0]
+        rows = []
+        for row in states[:max_blocks].tolist():
+            rows.append("".join(" ░█"[v] for v in row[:max_blocks]) + ("…" if len(row) > max_blocks else ""))
+        if states.shape[0] > max_blocks:
+            rows.append("…")
+        return "\n".join(rows)
+
+    def __repr__(self) -> str:
+        B, H, Q_LEN, KV_LEN = self.shape
+        name = getattr(self.mask_mod, "__name__", type(self.mask_mod).__name__)
+        head = (f"BlockMask(shape=(B={B}, H={H}, Q_LEN={Q_LEN}, KV_LEN={KV_LEN}), "
+                f"BLOCK_SIZE={self.BLOCK_SIZE}, sparsity={self.sparsity():.2f}%, mask_mod={name})")
+        nq, nkv = self.kv_indices.shape[-2:]
+        if nq <= 32 and nkv <= 32:
+            return head + "\n" + self.to_string()
+        return head
+
+
+def _check_block_size(BLOCK_SIZE) -> tuple:
+    sizes = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else tuple(BLOCK_SIZE)
+    if len(sizes) != 2 or any(not isinstance(s, int) or s < 16 or s & (s - 1) for s in sizes):
+        raise expected("BLOCK_SIZE", "a power of two >= 16, or a (Q_BLOCK, KV_BLOCK) pair of them",
+                       BLOCK_SIZE, "use 128 (the default) or 64")
+    return sizes
+
+
+def _check_length(name, value, allow_none=False):
+    if value is None and allow_none:
+        return 1
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise expected(name, "a positive int" + (" or None (broadcast)" if allow_none else ""),
+                       repr(value), f"pass the {name} of your inputs")
+    return value
+
+
+def default_device():
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128,
+                      _compile=False) -> BlockMask:
+    """The ``BlockMask`` of ``mask_mod(b, h, q_idx, kv_idx)`` over ``[B, H, Q_LEN, KV_LEN]``.
+
+    ``B`` / ``H`` = None build one mask shared by every batch / head (the mod
+    then sees b = 0 / h = 0). ``device`` defaults to CUDA when available, else
+    CPU. ``BLOCK_SIZE`` is the sparse block size (an int or a (Q, KV) pair).
+    ``_compile`` is accepted for torch compatibility; flexgen always generates a kernel.
+    Memory is O(B * H * NQ * NKV), never O(Q_LEN * KV_LEN).
+    """
+    Bn, Hn = _check_length("B", B, True), _check_length("H", H, True)
+    Q_LEN, KV_LEN = _check_length("Q_LEN", Q_LEN), _check_length("KV_LEN", KV_LEN)
+    q_block, kv_block = _check_block_size(BLOCK_SIZE)
+    device = torch.device(device) if device is not None else default_device()
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    traced = trace(mask_mod, "mask_mod")
+    lowered = lower(traced)
+    for i, t in enumerate(traced.buffers):
+        if t.device != device:
+            raise InputError(f"mask_mod '{traced.name}': captured tensor {i} (shape {list(t.shape)}) is on "
+                             f"{t.device}, expected {device} like the mask. Fix: move it with .to('{device}')")
+    states = bounds.classify(lowered.expr, Bn, Hn, Q_LEN, KV_LEN, q_block, kv_block,
+                             buffer_map(traced), device)
+    undecided = (states == bounds.UNDECIDED).nonzero().to(torch.int32).contiguous()
+    if undecided.shape[0]:
+        decided = torch.empty(undecided.shape[0], dtype=torch.int8, device=device)
+        spec = KernelSpec("block_mask", mask=lowered.snippet, mask_buffers=lowered.buffers,
+                          num_warps=4)
+        launch.run(spec, device, undecided, decided, traced.buffers, Q_LEN, KV_LEN, q_block, kv_block)
+        states[tuple(undecided.long().unbind(1))] = decided
+    mask = BlockMask.from_states(states, (q_block, kv_block), mask_mod, (Q_LEN, KV_LEN))
+    mask._traced = traced
+    return mask
+
+
+def create_mask(mod, B, H, Q_LEN, KV_LEN, device=None) -> torch.Tensor:
+    """The dense bool mask ``[B, H, Q_LEN, KV_LEN]`` of a mask_mod (or ``score_mod != -inf``).
+
+    This materializes O(Q_LEN * KV_LEN) memory: for inspection and tests.
+    """
+    from .reference import dense_mask, index_grids
+    device = torch.device(device) if device is not None else default_device()
+    Bn, Hn = B or 1, H or 1
+    names = getattr(getattr(mod, "__code__", None), "co_argcount", 4)
+    if names == 5:
+        b, h, q, kv = index_grids(Bn, Hn, Q_LEN, KV_LEN, device)
+        scores = torch.zeros(Bn, Hn, Q_LEN, KV_LEN, device=device)
+        return mod(scores, b, h, q, kv) != float("-inf")
+    return dense_mask(mod, Bn, Hn, Q_LEN, KV_LEN, device)

@@ -1,0 +1,253 @@
+"""Classify mask blocks as full, empty or undecided from interval bounds.
+
+For every (batch, head, query block, kv block) at once, each sub-expression
+of a canonical mask expression gets an interval ``[lo, hi]`` over the
+positions of that block, as torch tensors broadcast to ``[B, H, NQ, NKV]``.
+A mask whose interval is {True} on a block is full there, {False} empty;
+anything else is undecided and left to the block-mask kernel, which looks at
+the elements. Intervals are conservative, so a decided block is always right.
+
+Captured buffers indexed by ``b``, ``h``, constants, or exactly ``q_idx`` /
+``kv_idx`` get their per-block minimum and maximum (``doc[b, q_idx]``), which
+decides most blocks of document masks without looking at elements.
+Work and memory are O(number of blocks + buffer size), never O(Q_LEN x KV_LEN).
+"""
+from __future__ import annotations
+
+import math
+
+import sympy
+import torch
+from sympy.core.function import UndefinedFunction
+
+from .expr import INDEX_SYMBOLS, Sigmoid, Trunc
+
+EMPTY, PARTIAL, FULL, UNDECIDED = 0, 1, 2, 3
+INF = math.inf
+
+
+class _Evaluator:
+    def __init__(self, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, buffers: dict, device):
+        self.device = device
+        self.Q_LEN, self.KV_LEN, self.Q_BLOCK, self.KV_BLOCK = Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK
+        self.nq, self.nkv = -(-Q_LEN // Q_BLOCK), -(-KV_LEN // KV_BLOCK)
+        f64 = dict(dtype=torch.float64, device=device)
+        b = torch.arange(B, **f64).view(B, 1, 1, 1)
+        h = torch.arange(H, **f64).view(1, H, 1, 1)
+        q_lo = torch.arange(self.nq, **f64) * Q_BLOCK
+        kv_lo = torch.arange(self.nkv, **f64) * KV_BLOCK
+        q_hi = torch.clamp(q_lo + Q_BLOCK, max=Q_LEN) - 1
+        kv_hi = torch.clamp(kv_lo + KV_BLOCK, max=KV_LEN) - 1
+        self.env = {
+            INDEX_SYMBOLS["b"]: (b, b), INDEX_SYMBOLS["h"]: (h, h),
+            INDEX_SYMBOLS["q_idx"]: (q_lo.view(1, 1, -1, 1), q_hi.view(1, 1, -1, 1)),
+            INDEX_SYMBOLS["kv_idx"]: (kv_lo.view(1, 1, 1, -1), kv_hi.view(1, 1, 1, -1)),
+        }
+        self.buffers = buffers      # sympy function name -> captured tensor
+        self.memo = {}
+
+    def unknown(self):
+        return torch.tensor(-INF, dtype=torch.float64, device=self.device), \
+            torch.tensor(INF, dtype=torch.float64, device=self.device)
+
+    def const(self, v):
+        t = torch.tensor(float(v), dtype=torch.float64, device=self.device)
+        return t, t
+
+    def __call__(self, e):
+        if e not in self.memo:
+            lo, hi = self.evaluate(e)
+            # nan comes from inf - inf or 0 * inf: the bound is then unknown.
+            self.memo[e] = (torch.nan_to_num(lo, nan=-INF, posinf=INF, neginf=-INF),
+                            torch.nan_to_num(hi, nan=INF, posinf=INF, neginf=-INF))
+        return self.memo[e]
+
+    def evaluate(self, e):
+        if e in self.env:
+            return self.env[e]
+        if e is sympy.true or e is sympy.false:
+            return self.const(1 if e is sympy.true else 0)
+        if e.is_Number:
+            return self.const(float(e))
+        if isinstance(type(e), UndefinedFunction):
+            return self.load(e)
+        method = getattr(self, "op_" + type(e).__name__, None)
+        return method(e) if method is not None else self.unknown()
+
+    # --- numbers -------------------------------------------------------------------
+    def op_Add(self, e):
+        los, his = zip(*(self(a) for a in e.args))
+        return sum(los), sum(his)
+
+    def op_Mul(self, e):
+        lo, hi = self(e.args[0])
+        for a in e.args[1:]:
+            l2, h2 = self(a)
+            products = torch.stack(torch.broadcast_tensors(lo * l2, lo * h2, hi * l2, hi * h2))
+            lo, hi = products.amin(0), products.amax(0)
+        return lo, hi
+
+    def op_Pow(self, e):
+        base, exp = e.base, e.exp
+        if base == 2:
+            lo, hi = self(exp)
+            return torch.exp2(lo), torch.exp2(hi)
+        if exp.is_Integer and exp > 0:
+            return self.op_Mul(sympy.Mul(*([base] * int(exp)), evaluate=False))
+        if exp == -1:
+            lo, hi = self(base)
+            inv_lo, inv_hi = 1 / hi, 1 / lo
+            ok = (lo > 0) | (hi < 0)
+            return torch.where(ok, inv_lo, -INF), torch.where(ok, inv_hi, INF)
+        return self.unknown()
+
+    def op_floor(self, e):
+        lo, hi = self(e.args[0])
+        return torch.floor(lo), torch.floor(hi)
+
+    def op_ceiling(self, e):
+        lo, hi = self(e.args[0])
+        return torch.ceil(lo), torch.ceil(hi)
+
+    def op_Trunc(self, e):
+        lo, hi = self(e.args[0])
+        return torch.trunc(lo), torch.trunc(hi)
+
+    def op_Mod(self, e):
+        a, m = e.args
+        if not (m.is_Number and m > 0):
+            return self.unknown()
+        m = float(m)
+        lo, hi = self(a)
+        same_period = torch.floor(lo / m) == torch.floor(hi / m)
+        return (torch.where(same_period, lo - torch.floor(lo / m) * m, torch.zeros_like(lo)),
+                torch.where(same_period, hi - torch.floor(hi / m) * m, torch.full_like(hi, m)))
+
+    def op_Abs(self, e):
+        lo, hi = self(e.args[0])
+        return (torch.where(lo >= 0, lo, torch.where(hi <= 0, -hi, torch.zeros_like(lo))),
+                torch.maximum(lo.abs(), hi.abs()))
+
+    def _fold(self, e, fn):
+        lo, hi = self(e.args[0])
+        for a in e.args[1:]:
+            l2, h2 = self(a)
+            lo, hi = fn(lo, l2), fn(hi, h2)
+        return lo, hi
+
+    def op_Min(self, e): return self._fold(e, torch.minimum)
+    def op_Max(self, e): return self._fold(e, torch.maximum)
+
+    def _monotone(self, e, fn, domain_lo=-INF):
+        lo, hi = self(e.args[0])
+        ok = lo >= domain_lo
+        return torch.where(ok, fn(lo), -INF), torch.where(ok, fn(hi), INF)
+
+    def op_exp(self, e): return self._monotone(e, torch.exp)
+    def op_tanh(self, e): return self._monotone(e, torch.tanh)
+    def op_Sigmoid(self, e): return self._monotone(e, torch.sigmoid)
+    def op_log(self, e): return self._monotone(e, torch.log, domain_lo=0.0)
+
+    def op_Piecewise(self, e):
+        *pieces, (last, _) = e.args
+        lo, hi = self(last)
+        for value, cond in reversed(pieces):
+            vlo, vhi = self(value)
+            clo, chi = self(cond)
+            lo = torch.where(clo == 1, vlo, torch.where(chi == 0, lo, torch.minimum(vlo, lo)))
+            hi = torch.where(clo == 1, vhi, torch.where(chi == 0, hi, torch.maximum(vhi, hi)))
+        return lo, hi
+
+    # --- truth values: [lo, hi] within {0, 1} ---------------------------------------
+    def _relation(self, e, always, never):
+        lo, hi = self(e.lhs - e.rhs)
+        return always(lo, hi).double(), (~never(lo, hi)).double()
+
+    def op_GreaterThan(self, e): return self._relation(e, lambda l, h: l >= 0, lambda l, h: h < 0)
+    def op_StrictGreaterThan(self, e): return self._relation(e, lambda l, h: l > 0, lambda l, h: h <= 0)
+    def op_LessThan(self, e): return self._relation(e, lambda l, h: h <= 0, lambda l, h: l > 0)
+    def op_StrictLessThan(self, e): return self._relation(e, lambda l, h: h < 0, lambda l, h: l >= 0)
+    def op_Equality(self, e): return self._relation(e, lambda l, h: (l == 0) & (h == 0), lambda l, h: (l > 0) | (h < 0))
+    def op_Unequality(self, e): return self._relation(e, lambda l, h: (l > 0) | (h < 0), lambda l, h: (l == 0) & (h == 0))
+
+    def op_And(self, e): return self._fold(e, torch.minimum)
+    def op_Or(self, e): return self._fold(e, torch.maximum)
+
+    def op_Not(self, e):
+        lo, hi = self(e.args[0])
+        return 1 - hi, 1 - lo
+
+    def op_Xor(self, e):
+        lo, hi = self(e.args[0])
+        for a in e.args[1:]:
+            l2, h2 = self(a)
+            known = (lo == hi) & (l2 == h2)
+            value = (lo != l2).double()
+            lo, hi = torch.where(known, value, 0.0), torch.where(known, value, 1.0)
+        return lo, hi
+
+    def op_Equivalent(self, e):
+        lo, hi = self.op_Xor(e)
+        return 1 - hi, 1 - lo
+
+    def op_ITE(self, e):
+        return self.op_Piecewise(sympy.Piecewise((e.args[1], e.args[0]), (e.args[2], True)))
+
+    # --- captured buffers ------------------------------------------------------------
+    def load(self, e):
+        tensor = self.buffers.get(e.func.__name__)
+        if tensor is None:
+            return self.unknown()
+        t_lo = t_hi = tensor.to(device=self.device, dtype=torch.float64)
+        index = []
+        for d, arg in enumerate(e.args):
+            if arg in (INDEX_SYMBOLS["q_idx"], INDEX_SYMBOLS["kv_idx"]):
+                is_q = arg == INDEX_SYMBOLS["q_idx"]
+                length, block = (self.Q_LEN, self.Q_BLOCK) if is_q else (self.KV_LEN, self.KV_BLOCK)
+                t_lo = _block_reduce(t_lo, d, length, block, torch.amin)
+                t_hi = _block_reduce(t_hi, d, length, block, torch.amax)
+                blocks = torch.arange(t_lo.shape[d], device=self.device)
+                index.append(blocks.view((1, 1, -1, 1) if is_q else (1, 1, 1, -1)))
+                continue
+            # Any other index must be exact on every block (b, h, a constant).
+            lo, hi = self(arg)
+            if not torch.equal(lo, hi) or not torch.isfinite(lo).all():
+                return self.unknown()
+            size = tensor.shape[d]
+            i = lo.long()
+            i = torch.where(i < 0, i + size, i)
+            if ((i < 0) | (i >= size)).any():
+                return self.unknown()
+            index.append(i)
+        if not index:
+            return t_lo, t_hi
+        return t_lo[tuple(index)], t_hi[tuple(index)]
+
+
+def _block_reduce(t: torch.Tensor, dim: int, length: int, block: int, reduce):
+    """``reduce`` (amin / amax) of ``t`` along ``dim`` over each block of positions [0, length).
+
+    Positions at or past the tensor's size read 0, as the kernel's masked loads do.
+    """
+    t = t.movedim(dim, -1)
+    size = t.shape[-1]
+    if size < length:
+        t = torch.cat([t, t.new_zeros(t.shape[:-1] + (length - size,))], -1)
+    t = t[..., :length]
+    n = -(-length // block)
+    pad = n * block - length
+    if pad:   # repeat the last value: it changes neither min nor max
+        t = torch.cat([t, t[..., -1:].expand(t.shape[:-1] + (pad,))], -1)
+    return reduce(t.reshape(t.shape[:-1] + (n, block)), -1).movedim(-1, dim)
+
+
+def classify(expr, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, buffers: dict, device) -> torch.Tensor:
+    """int8 ``[B, H, NQ, NKV]``: EMPTY, FULL, or UNDECIDED per block."""
+    ev = _Evaluator(B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, buffers, device)
+    lo, hi = ev(expr)
+    shape = (B, H, ev.nq, ev.nkv)
+    lo, hi = lo.expand(shape), hi.expand(shape)
+    states = torch.full(shape, UNDECIDED, dtype=torch.int8, device=device)
+    states[lo >= 1] = FULL
+    states[hi <= 0] = EMPTY
+    return states

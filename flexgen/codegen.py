@@ -1,0 +1,338 @@
+"""Print a canonical sympy expression as Triton source.
+
+One ``_print_<Class>`` method per sympy node type (sympy's own printer
+pattern): adding an operation is adding a method. Each method returns
+``(code, kind)`` with kind "bool", "int" or "float", so the printer inserts
+the casts torch's promotion implies (int32 index math stays int32, float math
+is float32). Common subexpressions become numbered temporaries; loads of
+captured buffers become statements with bounds-checked, wrapped indices.
+
+The snippet uses the names the template binds: ``score`` (float32 tile),
+``b``, ``h`` (scalars), ``q_idx`` (column vector), ``kv_idx`` (row vector),
+and per buffer ``{name}_ptr``, ``{name}_size{d}``, ``{name}_stride{d}``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+from sympy.core.function import UndefinedFunction
+
+from .expr import SYMBOLS, BitAnd, BitNot, BitOr, BitXor, Sigmoid, Trunc
+
+
+@dataclass(frozen=True)
+class Snippet:
+    """Statements computing one value, ready to paste into a template."""
+    lines: tuple        # "name = code" statements, in order
+    result: str         # the expression holding the value after ``lines``
+    kind: str           # "bool", "int" or "float"
+
+
+def _float_literal(value) -> str:
+    v = float(value)
+    if v != v:
+        return 'float("nan")'
+    if v in (float("inf"), float("-inf")):
+        return 'float("inf")' if v > 0 else 'float("-inf")'
+    return repr(v)
+
+
+class TritonPrinter:
+    def __init__(self, temp_prefix: str):
+        self.temp_prefix = temp_prefix
+        self.lines: list[str] = []
+        self.kinds: dict[sympy.Symbol, str] = {}
+        self.names: dict[sympy.Symbol, str] = {}
+        self.count = 0
+
+    def temp(self, code: str, kind: str) -> tuple:
+        name = f"{self.temp_prefix}{self.count}"
+        self.count += 1
+        self.lines.append(f"{name} = {code}")
+        return name, kind
+
+    def print(self, e) -> tuple:
+        if getattr(e, "is_number", False) and not e.is_Integer and e.is_finite:
+            return self._print_number(e)
+        for cls in type(e).__mro__:
+            method = getattr(self, "_print_" + cls.__name__, None)
+            if method is not None:
+                return method(e)
+        if isinstance(type(e), UndefinedFunction):
+            return self._print_load(e)
+        if getattr(e, "is_number", False):
+            return self._print_number(e)
+        raise RuntimeError(f"flexgen internal error: no Triton form for {type(e).__name__}: {e}")
+
+    # --- helpers -----------------------------------------------------------------
+    def as_float(self, e) -> str:
+        if e.is_Integer:
+            return f"{int(e)}.0"
+        code, kind = self.print(e)
+        return f"({code}).to(tl.float32)" if kind != "float" else code
+
+    def as_int(self, e) -> str:
+        code, kind = self.print(e)
+        return f"({code}).to(tl.int32)" if kind != "int" else code
+
+    def as_bool(self, e) -> str:
+        code, kind = self.print(e)
+        return f"({code} != 0)" if kind != "bool" else code
+
+    def numeric(self, args):
+        printed = [self.print(a) for a in args]
+        kind = "float" if any(k == "float" for _, k in printed) else "int"
+        return printed, kind
+
+    # --- atoms -------------------------------------------------------------------
+    def _print_Symbol(self, e):
+        if e in self.names:
+            return self.names[e], self.kinds[e]
+        return e.name, ("float" if e.name == "score" else "int")
+
+    def _print_Integer(self, e):
+        return str(int(e)), "int"
+
+    def _print_Rational(self, e):
+        return _float_literal(e), "float"
+
+    def _print_Float(self, e):
+        return _float_literal(e), "float"
+
+    def _print_number(self, e):
+        if e.is_integer:
+            return str(int(e)), "int"
+        return _float_literal(sympy.N(e, 20)), "float"
+
+    def _print_Infinity(self, e):
+        return 'float("inf")', "float"
+
+    def _print_NegativeInfinity(self, e):
+        return 'float("-inf")', "float"
+
+    def _print_NaN(self, e):
+        return 'float("nan")', "float"
+
+    def _print_BooleanTrue(self, e):
+        return "True", "bool"
+
+    def _print_BooleanFalse(self, e):
+        return "False", "bool"
+
+    # --- arithmetic --------------------------------------------------------------
+    def _print_Add(self, e):
+        pos, neg = [], []
+        for term in sympy.Add.make_args(e):
+            coeff, rest = term.as_coeff_Mul()
+            if coeff.is_negative:
+                neg.append(-term)
+            else:
+                pos.append(term)
+        printed_pos, k1 = self.numeric(pos) if pos else ([("0", "int")], "int")
+        printed_neg, k2 = self.numeric(neg) if neg else ([], "int")
+        code = " + ".join(c for c, _ in printed_pos)
+        for c, _ in printed_neg:
+            code += f" - ({c})" if " " in c else f" - {c}"
+        return f"({code})", ("float" if "float" in (k1, k2) else "int")
+
+    def _print_Mul(self, e):
+        num, den = [], []
+        coeff, rest = e.as_coeff_Mul()
+        sign = ""
+        if coeff.is_negative:
+            sign, coeff = "-", -coeff
+        if coeff != 1:
+            if coeff.is_Rational and not coeff.is_Integer:
+                num.append(sympy.Integer(coeff.p)) if coeff.p != 1 else None
+                den.append(sympy.Integer(coeff.q))
+            else:
+                num.append(coeff)
+        for f in sympy.Mul.make_args(rest):
+            if f.is_Pow and f.exp.is_Integer and f.exp < 0:
+                den.append(f.base ** -f.exp)
+            else:
+                num.append(f)
+        printed, kind = self.numeric(num or [sympy.Integer(1)])
+        code = " * ".join(c for c, _ in printed)
+        if den:
+            dcode = " * ".join(self.as_float(d) for d in den)
+            fnum = code if kind == "float" else f"({code}).to(tl.float32)"
+            code, kind = f"{fnum} / ({dcode})" if len(den) > 1 else f"{fnum} / {dcode}", "float"
+        return f"{sign}({code})" if sign else f"({code})", kind
+
+    def _print_Pow(self, e):
+        base, exp = e.base, e.exp
+        if base == 2:
+            return f"tl.exp2({self.as_float(exp)})", "float"
+        if exp == sympy.Rational(1, 2):
+            return f"tl.sqrt({self.as_float(base)})", "float"
+        if exp == -sympy.Rational(1, 2):
+            return f"tl.rsqrt({self.as_float(base)})", "float"
+        if exp.is_Integer and exp > 0 and exp <= 8:
+            code, kind = self.print(base)
+            if len(code) > 12:
+                code, kind = self.temp(code, kind)
+            return "(" + " * ".join([code] * int(exp)) + ")", kind
+        if exp.is_Integer and exp < 0:
+            return f"(1.0 / {self.as_float(base ** -exp)})", "float"
+        return f"tl.exp2({self.as_float(exp)} * tl.log2({self.as_float(base)}))", "float"
+
+    def _print_exp(self, e):
+        return f"tl.exp({self.as_float(e.args[0])})", "float"
+
+    def _print_log(self, e):
+        return f"tl.log({self.as_float(e.args[0])})", "float"
+
+    def _print_tanh(self, e):
+        return f"_tanh({self.as_float(e.args[0])})", "float"
+
+    def _print_sin(self, e):
+        return f"tl.sin({self.as_float(e.args[0])})", "float"
+
+    def _print_cos(self, e):
+        return f"tl.cos({self.as_float(e.args[0])})", "float"
+
+    def _print_Sigmoid(self, e):
+        return f"tl.sigmoid({self.as_float(e.args[0])})", "float"
+
+    def _print_Abs(self, e):
+        code, kind = self.print(e.args[0])
+        return f"tl.abs({code})", kind
+
+    def _print_sign(self, e):
+        code, kind = self.print(e.args[0])
+        code, kind = self.temp(code, kind) if len(code) > 12 else (code, kind)
+        one, zero = ("1.0", "0.0") if kind == "float" else ("1", "0")
+        return f"tl.where({code} > 0, {one}, tl.where({code} < 0, -{one}, {zero}))", kind
+
+    def _int_fraction(self, arg):
+        """(numerator, denominator) if ``arg`` is a ratio of integer expressions."""
+        num, den = sympy.fraction(sympy.together(arg))
+        if num.is_integer and den.is_integer and den != 1:
+            return num, den
+        return None
+
+    def _print_floor(self, e):
+        frac = self._int_fraction(e.args[0])
+        if frac:
+            return f"_floordiv({self.as_int(frac[0])}, {self.as_int(frac[1])})", "int"
+        return f"tl.floor({self.as_float(e.args[0])})", "float"
+
+    def _print_ceiling(self, e):
+        frac = self._int_fraction(e.args[0])
+        if frac:
+            return f"(-_floordiv(-({self.as_int(frac[0])}), {self.as_int(frac[1])}))", "int"
+        return f"tl.ceil({self.as_float(e.args[0])})", "float"
+
+    def _print_Mod(self, e):
+        (a, ka), (m, km) = self.print(e.args[0]), self.print(e.args[1])
+        if ka == km == "int":
+            return f"_floormod({a}, {m})", "int"
+        return f"_floormod_float({self.as_float(e.args[0])}, {self.as_float(e.args[1])})", "float"
+
+    def _print_Trunc(self, e):
+        return f"({self.as_float(e.args[0])}).to(tl.int32)", "int"
+
+    def _minmax(self, e, fn):
+        args = list(sympy.ordered(e.args))
+        printed, kind = self.numeric(args)
+        code = printed[0][0]
+        for c, _ in printed[1:]:
+            code = f"{fn}({code}, {c})"
+        return code, kind
+
+    def _print_Min(self, e):
+        return self._minmax(e, "tl.minimum")
+
+    def _print_Max(self, e):
+        return self._minmax(e, "tl.maximum")
+
+    def _print_Piecewise(self, e):
+        pieces = list(e.args)
+        code, kind = self.print(pieces[-1].expr)
+        kinds = {kind}
+        for piece in reversed(pieces[:-1]):
+            c, k = self.print(piece.expr)
+            kinds.add(k)
+            code = f"tl.where({self.as_bool(piece.cond)}, {c}, {code})"
+        return code, ("float" if "float" in kinds else "int")
+
+    def _bitop(self, e, op):
+        return "(" + f" {op} ".join(self.as_int(a) for a in e.args) + ")", "int"
+
+    def _print_BitAnd(self, e): return self._bitop(e, "&")
+    def _print_BitOr(self, e): return self._bitop(e, "|")
+    def _print_BitXor(self, e): return self._bitop(e, "^")
+    def _print_BitNot(self, e): return f"(~{self.as_int(e.args[0])})", "int"
+
+    # --- logic -------------------------------------------------------------------
+    def _print_Relational(self, e):
+        op = e.rel_op
+        lhs, rhs = e.lhs, e.rhs
+        if rhs == 0 and lhs.is_Add:
+            # d >= 0 with d = p - n is printed p >= n: no float cancellation.
+            pos = [t for t in lhs.args if not t.as_coeff_Mul()[0].is_negative]
+            neg = [-t for t in lhs.args if t.as_coeff_Mul()[0].is_negative]
+            lhs, rhs = sympy.Add(*pos), sympy.Add(*neg)
+        return f"({self.print(lhs)[0]} {op} {self.print(rhs)[0]})", "bool"
+
+    def _logic(self, e, op):
+        return "(" + f" {op} ".join(self.as_bool(a) for a in sympy.ordered(e.args)) + ")", "bool"
+
+    def _print_And(self, e): return self._logic(e, "&")
+    def _print_Or(self, e): return self._logic(e, "|")
+    def _print_Xor(self, e): return self._logic(e, "^")
+
+    def _print_Not(self, e):
+        return f"({self.as_bool(e.args[0])} == 0)", "bool"
+
+    def _print_Equivalent(self, e):
+        a, b = e.args
+        return f"({self.as_bool(a)} == {self.as_bool(b)})", "bool"
+
+    def _print_ITE(self, e):
+        c, a, b = e.args
+        return f"tl.where({self.as_bool(c)}, {self.as_bool(a)}, {self.as_bool(b)})", "bool"
+
+    # --- captured buffers --------------------------------------------------------
+    def _print_load(self, e):
+        name = type(e).__name__ if not hasattr(e.func, "name") else e.func.name
+        if not e.args:
+            code = f"tl.load({name}_ptr)"
+        else:
+            offsets, in_bounds = [], []
+            for d, index in enumerate(e.args):
+                if index.is_Symbol and index.is_nonnegative:
+                    i = self.as_int(index)
+                else:
+                    i, _ = self.temp(self.as_int(index), "int")
+                if not index.is_nonnegative:
+                    # Negative indices count from the end, as in torch indexing.
+                    self.lines.append(f"{i} = tl.where({i} < 0, {i} + {name}_size{d}, {i})")
+                offsets.append(f"{i}.to(tl.int64) * {name}_stride{d}")
+                low = [] if index.is_nonnegative else [f"({i} >= 0)"]
+                in_bounds += low + [f"({i} < {name}_size{d})"]
+            # Positions outside the tensor (only reached in padded tails) read 0.
+            code = (f"tl.load({name}_ptr + {' + '.join(offsets)}, "
+                    f"mask={' & '.join(in_bounds)}, other=0)")
+        integer = bool(e.is_integer)
+        code = f"{code}.to({'tl.int32' if integer else 'tl.float32'})"
+        return self.temp(code, "int" if integer else "float")
+
+
+def print_snippet(expr, temp_prefix: str) -> Snippet:
+    """Triton statements for ``expr``; temporaries are named ``{temp_prefix}{n}``."""
+    printer = TritonPrinter(temp_prefix)
+    replacements, (reduced,) = sympy.cse([expr], symbols=sympy.numbered_symbols("_cse"),
+                                         order="none")
+    for sym, sub in replacements:
+        code, kind = printer.print(sub)
+        name, kind = printer.temp(code, kind)
+        printer.names[sym], printer.kinds[sym] = name, kind
+    code, kind = printer.print(reduced)
+    return Snippet(tuple(printer.lines), code, kind)
+
+
+__all__ = ["Snippet", "TritonPrinter", "print_snippet", "SYMBOLS",
+           "BitAnd", "BitOr", "BitXor", "BitNot", "Sigmoid", "Trunc"]

@@ -1,0 +1,256 @@
+"""Traced graphs as sympy expressions, in a canonical form.
+
+Why sympy: two spellings of one mod (``q_idx >= kv_idx`` and
+``kv_idx <= q_idx``; ``score * 1.0 + 0`` and ``score``) become the same
+expression, so they share one compiled kernel; the same expression feeds the
+block classifier (``flexgen.bounds``) and the printer (``flexgen.codegen``).
+This runs once per new mod, never per call.
+
+Conventions of the canonical form:
+- numbers are exact (a Python float becomes the Rational of its binary value);
+- every comparison is ``d >= 0``, ``d > 0`` (float d only), ``d == 0`` or
+  ``d != 0`` with ``d`` sign-normalised;
+- a captured tensor is an undefined function ``{prefix}buf{slot}(indices...)``
+  whose assumptions say whether it holds integers (bool buffers load as 0/1
+  integers and are compared with 0).
+"""
+from __future__ import annotations
+
+import math
+
+import sympy
+import torch
+
+from .trace import Node, Traced
+
+SCORE = sympy.Symbol("score", real=True)
+INDEX_SYMBOLS = {n: sympy.Symbol(n, integer=True, nonnegative=True)
+                 for n in ("b", "h", "q_idx", "kv_idx")}
+SYMBOLS = {"score": SCORE, **INDEX_SYMBOLS}
+
+
+class Sigmoid(sympy.Function):
+    """1 / (1 + exp(-x)), kept whole so the kernel can call tl.sigmoid."""
+    is_real = True
+
+    def fdiff(self, argindex=1):
+        return self * (1 - self)
+
+    @classmethod
+    def eval(cls, x):
+        if x.is_Number and x.is_finite:
+            return 1 / (1 + sympy.exp(-x))
+        return None
+
+
+class Trunc(sympy.Function):
+    """Float to integer conversion, rounding toward zero (torch's .to(int))."""
+    is_integer = True
+
+    @classmethod
+    def eval(cls, x):
+        if x.is_integer:
+            return x
+        if x.is_Number and x.is_finite:
+            return sympy.Integer(int(x))
+        return None
+
+
+def _bitwise(name, op):
+    def eval(cls, *args):
+        if all(a.is_Integer for a in args):
+            return sympy.Integer(op(*(int(a) for a in args)))
+        return None
+    return type(name, (sympy.Function,), {"is_integer": True, "eval": classmethod(eval)})
+
+
+BitAnd = _bitwise("BitAnd", lambda a, b: a & b)
+BitOr = _bitwise("BitOr", lambda a, b: a | b)
+BitXor = _bitwise("BitXor", lambda a, b: a ^ b)
+BitNot = _bitwise("BitNot", lambda a: ~a)
+
+
+def buffer_function(prefix: str, slot: int, dtype: torch.dtype):
+    """The sympy function standing for captured buffer ``slot`` of a mod."""
+    name = f"{prefix}buf{slot}"
+    if dtype == torch.float32:
+        return sympy.Function(name, real=True)
+    return sympy.Function(name, integer=True)
+
+
+def _const(value):
+    if isinstance(value, bool):
+        return sympy.true if value else sympy.false
+    if isinstance(value, int):
+        return sympy.Integer(value)
+    if math.isnan(value):
+        return sympy.nan
+    if math.isinf(value):
+        return sympy.oo if value > 0 else -sympy.oo
+    return sympy.Rational(value)
+
+
+def is_bool(e) -> bool:
+    """Whether ``e`` is a truth value (sympy's Symbol is a Boolean too, so test the kinds)."""
+    return isinstance(e, (sympy.core.relational.Relational, sympy.logic.boolalg.BooleanFunction,
+                          sympy.logic.boolalg.BooleanAtom))
+
+
+def _as_number(e):
+    """A bool expression used as a number becomes 1 / 0 (torch's promotion)."""
+    if is_bool(e):
+        return sympy.Piecewise((sympy.Integer(1), e), (sympy.Integer(0), True))
+    return e
+
+
+def _as_bool(e):
+    if is_bool(e):
+        return e
+    return relation("ne", e, sympy.Integer(0))
+
+
+def relation(op: str, a, b):
+    """A comparison in canonical form: ``d >= 0``, ``d > 0``, ``d == 0`` or ``d != 0``."""
+    d = sympy.expand(_as_number(a) - _as_number(b)) if _linear_ok(a, b) else _as_number(a) - _as_number(b)
+    if op in ("le", "lt"):
+        d, op = -d, {"le": "ge", "lt": "gt"}[op]
+    if op in ("eq", "ne") and d.could_extract_minus_sign():
+        d = -d
+    if op == "gt" and d.is_integer:      # integers: d > 0  <=>  d - 1 >= 0
+        d, op = d - 1, "ge"
+    return {"ge": sympy.Ge, "gt": sympy.Gt, "eq": sympy.Eq, "ne": sympy.Ne}[op](d, 0)
+
+
+def _linear_ok(a, b) -> bool:
+    # Expanding integer index arithmetic is exact and makes a - b canonical;
+    # float expressions are left as written so rounding follows the source.
+    return bool(getattr(a, "is_integer", False)) and bool(getattr(b, "is_integer", False))
+
+
+class _Converter:
+    """Node graph -> sympy, memoized per node (graphs are DAGs)."""
+
+    def __init__(self, traced: Traced, prefix: str):
+        self.prefix = prefix
+        self.buffers = traced.buffers
+        self.memo: dict[int, sympy.Basic] = {}
+
+    def __call__(self, node: Node):
+        if id(node) not in self.memo:
+            self.memo[id(node)] = getattr(self, "op_" + node.op, self.generic)(node, *node.args)
+        return self.memo[id(node)]
+
+    def generic(self, node, *args):
+        # trace.py recorded an op this converter does not know: a flexgen bug.
+        raise RuntimeError(f"flexgen internal error: no sympy form for traced op {node.op!r}")
+
+    def op_var(self, node, name):
+        return SYMBOLS[name]
+
+    def op_const(self, node, value):
+        return _const(value)
+
+    def op_load(self, node, slot, indices):
+        fn = buffer_function(self.prefix, slot, node.dtype)
+        value = fn(*(self(i) for i in indices))
+        return _as_bool(value) if node.dtype == torch.bool else value
+
+    def _num(self, n):
+        return _as_number(self(n))
+
+    def op_add(self, node, a, b): return self._num(a) + self._num(b)
+    def op_sub(self, node, a, b): return self._num(a) - self._num(b)
+    def op_mul(self, node, a, b): return self._num(a) * self._num(b)
+    def op_truediv(self, node, a, b): return self._num(a) / self._num(b)
+    def op_floordiv(self, node, a, b): return sympy.floor(self._num(a) / self._num(b))
+    def op_mod(self, node, a, b): return sympy.Mod(self._num(a), self._num(b))
+    def op_neg(self, node, a): return -self._num(a)
+    def op_abs(self, node, a): return sympy.Abs(self._num(a))
+    def op_sign(self, node, a): return sympy.sign(self._num(a))
+    def op_floor(self, node, a): return sympy.floor(self._num(a))
+    def op_ceil(self, node, a): return sympy.ceiling(self._num(a))
+    def op_exp(self, node, a): return sympy.exp(self._num(a))
+    def op_exp2(self, node, a): return sympy.Integer(2) ** self._num(a)
+    def op_log(self, node, a): return sympy.log(self._num(a))
+    def op_log2(self, node, a): return sympy.log(self._num(a)) / sympy.log(2)
+    def op_sqrt(self, node, a): return sympy.sqrt(self._num(a))
+    def op_rsqrt(self, node, a): return 1 / sympy.sqrt(self._num(a))
+    def op_tanh(self, node, a): return sympy.tanh(self._num(a))
+    def op_sigmoid(self, node, a): return Sigmoid(self._num(a))
+    def op_sin(self, node, a): return sympy.sin(self._num(a))
+    def op_cos(self, node, a): return sympy.cos(self._num(a))
+    def op_minimum(self, node, a, b): return self._minmax(sympy.Min, sympy.And, node, a, b)
+    def op_maximum(self, node, a, b): return self._minmax(sympy.Max, sympy.Or, node, a, b)
+
+    def _minmax(self, numeric, logical, node, a, b):
+        if node.dtype == torch.bool:
+            return logical(_as_bool(self(a)), _as_bool(self(b)))
+        return numeric(self._num(a), self._num(b))
+
+    def op_pow(self, node, a, b):
+        return self._num(a) ** self._num(b)
+
+    def op_cast(self, node, a):
+        value = self._num(a)
+        if node.dtype == torch.int32 and not value.is_integer:
+            return Trunc(value)
+        return value
+
+    def _logic(self, node, a, b, logical, bitwise):
+        if node.dtype == torch.bool:
+            return logical(_as_bool(self(a)), _as_bool(self(b)))
+        return bitwise(self._num(a), self._num(b))
+
+    def op_and(self, node, a, b): return self._logic(node, a, b, sympy.And, BitAnd)
+    def op_or(self, node, a, b): return self._logic(node, a, b, sympy.Or, BitOr)
+    def op_xor(self, node, a, b): return self._logic(node, a, b, sympy.Xor, BitXor)
+    def op_not(self, node, a): return sympy.Not(_as_bool(self(a)))
+    def op_bitnot(self, node, a): return BitNot(self._num(a))
+
+    def _compare(self, op, a, b):
+        ea, eb = self(a), self(b)
+        if a.dtype == torch.bool and b.dtype == torch.bool and op in ("eq", "ne"):
+            same = sympy.Equivalent(ea, eb)
+            return same if op == "eq" else sympy.Not(same)
+        return relation(op, ea, eb)
+
+    def op_eq(self, node, a, b): return self._compare("eq", a, b)
+    def op_ne(self, node, a, b): return self._compare("ne", a, b)
+    def op_lt(self, node, a, b): return self._compare("lt", a, b)
+    def op_le(self, node, a, b): return self._compare("le", a, b)
+    def op_gt(self, node, a, b): return self._compare("gt", a, b)
+    def op_ge(self, node, a, b): return self._compare("ge", a, b)
+
+    def op_where(self, node, c, a, b):
+        cond = _as_bool(self(c))
+        if node.dtype == torch.bool:
+            return sympy.ITE(cond, _as_bool(self(a)), _as_bool(self(b)))
+        return sympy.Piecewise((self._num(a), cond), (self._num(b), True))
+
+
+def to_sympy(traced: Traced, prefix: str):
+    """The canonical sympy expression of a traced mod.
+
+    ``prefix`` ("s" for score_mod, "m" for mask_mod) names its buffers, so a
+    score_mod's and a mask_mod's captured tensors never collide in one kernel.
+    """
+    expr = _Converter(traced, prefix)(traced.root)
+    if traced.kind == "mask_mod":
+        expr = _as_bool(expr)
+    return expr
+
+
+def canonical_text(expr) -> str:
+    """A stable text of the canonical form (the part of the cache key a mod gives)."""
+    return sympy.srepr(expr)
+
+
+def free_indices(expr) -> frozenset:
+    """Names of the score / index variables ``expr`` depends on."""
+    return frozenset(s.name for s in expr.free_symbols if s.name in SYMBOLS)
+
+
+def has_loads(expr) -> bool:
+    """Whether ``expr`` reads a captured buffer."""
+    return any(isinstance(f.func, sympy.core.function.UndefinedFunction)
+               for f in expr.atoms(sympy.Function))

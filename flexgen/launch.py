@@ -1,0 +1,68 @@
+"""Run a generated kernel, on the GPU or through the Triton interpreter.
+
+Every launch goes through ``run`` so that the choice of interpreter, and the
+optional recording of launches for ahead-of-time compilation checks
+(``flexgen.aot``), live in one place.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+from . import cache
+from .spec import KernelSpec
+
+# When a list, every launch appends (spec, args, constexprs): flexgen.aot
+# compiles each recorded kernel for a GPU target the machine may not have.
+RECORDED: list | None = None
+
+_INTERPRETED: dict = {}
+_PATCH_LOCK = threading.RLock()
+
+
+def uses_interpreter(device: torch.device) -> bool:
+    """CPU tensors run through the Triton interpreter; CUDA tensors run compiled."""
+    return device.type != "cuda"
+
+
+@contextlib.contextmanager
+def _library_interpreted():
+    """Let interpreted kernels call triton.language's own @jit helpers (tl.zeros, tl.max, ...).
+
+    Triton decides at its import whether those helpers are interpreted. flexgen
+    loads each kernel for the mode its tensors need, so one process can run
+    CPU tensors through the interpreter and still compile for the GPU: while an
+    interpreted kernel runs, a call of a compiled helper is interpreted too.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    def interpreted_call(self, *args, **kwargs):
+        fn = _INTERPRETED.get(self.fn)
+        if fn is None:
+            fn = _INTERPRETED[self.fn] = InterpretedFunction(self.fn)
+        return fn(*args, **kwargs)
+
+    with _PATCH_LOCK:
+        original = JITFunction.__call__
+        JITFunction.__call__ = interpreted_call
+        try:
+            yield
+        finally:
+            JITFunction.__call__ = original
+
+
+def run(spec: KernelSpec, device: torch.device, *inputs) -> None:
+    interpret = uses_interpreter(device)
+    module = cache.load(spec, interpret=interpret)
+    grid, args, constexprs = module.arguments(*inputs)
+    if RECORDED is not None:
+        RECORDED.append((spec, args, constexprs))
+    options = dict(num_warps=module.NUM_WARPS, num_stages=getattr(module, "NUM_STAGES", 1))
+    if interpret:
+        with _library_interpreted():
+            module.KERNEL[grid](*args, **constexprs, **options)
+    else:
+        module.KERNEL[grid](*args, **constexprs, **options)

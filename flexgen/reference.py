@@ -1,0 +1,73 @@
+"""The oracle: attention with score_mod / mask_mod computed in plain torch.
+
+It materializes the whole ``[B, H, Lq, Lkv]`` score matrix, so it is for tests
+and small inputs only. It evaluates the mods exactly as torch's
+FlexAttention defines them: on int32 index tensors and the float score, in any
+dtype (``dtype=torch.float64`` in the tests).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def index_grids(B: int, H: int, Q_LEN: int, KV_LEN: int, device) -> tuple:
+    """int32 index tensors broadcastable to ``[B, H, Q_LEN, KV_LEN]``."""
+    def ar(n, dims):
+        shape = [1, 1, 1, 1]
+        shape[dims] = n
+        return torch.arange(n, device=device, dtype=torch.int32).view(shape)
+
+    return ar(B, 0), ar(H, 1), ar(Q_LEN, 2), ar(KV_LEN, 3)
+
+
+def dense_mask(mask_mod, B: int, H: int, Q_LEN: int, KV_LEN: int, device="cpu") -> torch.Tensor:
+    """``mask_mod`` evaluated on every position: bool ``[B, H, Q_LEN, KV_LEN]``."""
+    b, h, q, kv = index_grids(B, H, Q_LEN, KV_LEN, device)
+    if mask_mod is None:
+        return torch.ones(B, H, Q_LEN, KV_LEN, dtype=torch.bool, device=device)
+    m = mask_mod(b, h, q, kv)
+    if not isinstance(m, torch.Tensor):
+        m = torch.tensor(bool(m), device=device)
+    return m.to(torch.bool).expand(B, H, Q_LEN, KV_LEN)
+
+
+def flex_attention_reference(query, key, value, score_mod=None, mask_mod=None, scale=None,
+                             enable_gqa=False, return_lse=False, dtype=torch.float64):
+    """``softmax(mask(score_mod(Q Kᵀ · scale))) V`` computed densely in ``dtype``.
+
+    query ``[B, Hq, Lq, D]``, key ``[B, Hkv, Lkv, D]``, value ``[B, Hkv, Lkv, Dv]``.
+    ``mask_mod`` may also be a ``BlockMask`` (its mask_mod is used; its block
+    lists are not: the oracle does not trust them). Rows where every position
+    is masked give zeros and an LSE of ``-inf``. Returns ``out`` in ``dtype``
+    (and the natural-log LSE ``[B, Hq, Lq]`` when ``return_lse``).
+    """
+    if mask_mod is not None and hasattr(mask_mod, "mask_mod") and hasattr(mask_mod, "kv_indices"):
+        mask_mod = mask_mod.mask_mod
+    B, Hq, Lq, D = query.shape
+    Hkv, Lkv = key.shape[1], key.shape[2]
+    q, k, v = (t.to(dtype) for t in (query, key, value))
+    if Hq != Hkv:
+        if not enable_gqa:
+            raise ValueError("query and key head counts differ; pass enable_gqa=True")
+        group = Hq // Hkv
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    scores = (q @ k.transpose(-1, -2)) * scale
+    b, h, qi, kvi = index_grids(B, Hq, Lq, Lkv, query.device)
+    if score_mod is not None:
+        scores = score_mod(scores, b, h, qi, kvi)
+        scores = torch.as_tensor(scores, device=query.device).to(dtype).expand(B, Hq, Lq, Lkv)
+    if mask_mod is not None:
+        keep = dense_mask(mask_mod, B, Hq, Lq, Lkv, query.device)
+        scores = scores.masked_fill(~keep, -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    # exp(score - lse) is 0 for masked positions; a fully masked row has lse=-inf,
+    # which would give NaN, so those rows are zeroed explicitly.
+    dead = torch.isneginf(lse)
+    probs = torch.exp(scores - lse.masked_fill(dead, 0.0)[..., None])
+    probs = probs.masked_fill(dead[..., None], 0.0)
+    out = probs @ v
+    return (out, lse) if return_lse else out

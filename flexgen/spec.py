@@ -1,0 +1,74 @@
+"""The frozen description of one generated kernel.
+
+A ``KernelSpec`` holds everything the rendered source depends on and nothing
+else: the template, the mods' printed snippets (which come from their
+canonical sympy form), the captured buffers' dtypes and ranks, head dims,
+dtype, and the constexpr launch options. Its ``key`` names the kernel in both
+caches. Lengths, batch and head counts are not in it: they are runtime
+arguments, so a new length reuses the kernel.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import astuple, dataclass
+
+import triton
+
+from . import __version__
+from .codegen import Snippet
+
+TEMPLATE_VERSIONS = {"forward": 1, "block_mask": 1}
+
+
+def pad_head_dim(d: int) -> int:
+    """The power of two >= ``d`` (tl.arange needs one); extra lanes are masked."""
+    return max(16, 1 << (d - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class BufferSig:
+    """A captured tensor as the kernel sees it: a name, a rank and a dtype."""
+    name: str
+    ndim: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    template: str
+    score: Snippet | None = None
+    mask: Snippet | None = None
+    score_buffers: tuple = ()
+    mask_buffers: tuple = ()
+    qk_head: int = 0
+    v_head: int = 0
+    dtype: str = ""
+    has_block_mask: bool = False
+    block_m: int = 0
+    block_n: int = 0
+    num_warps: int = 4
+    num_stages: int = 1
+    dot_precision: str = "ieee"
+    flexgen_version: str = __version__
+    triton_version: str = triton.__version__
+
+    @property
+    def template_version(self) -> int:
+        return TEMPLATE_VERSIONS[self.template]
+
+    @property
+    def key(self) -> str:
+        text = repr((self.template_version,) + astuple(self))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    @property
+    def kernel_name(self) -> str:
+        return f"flexgen_{self.template}_{self.key[:12]}"
+
+    def render_context(self) -> dict:
+        """The names the Jinja templates use."""
+        ctx = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        ctx.update(template_version=self.template_version, kernel_name=self.kernel_name,
+                   qk_pad=pad_head_dim(self.qk_head) if self.qk_head else 0,
+                   v_pad=pad_head_dim(self.v_head) if self.v_head else 0)
+        return ctx

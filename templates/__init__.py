@@ -1,0 +1,1 @@
+"""Kernel templates. This folder is a package only so that it ships inside the wheel."""
