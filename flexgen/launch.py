@@ -40,9 +40,12 @@ def _library_interpreted():
     from triton.runtime.jit import JITFunction
 
     def interpreted_call(self, *args, **kwargs):
+        # Run the helper's rewritten Python directly: the kernel's launch has
+        # already patched triton.language (and restores it afterwards), while
+        # InterpretedFunction.__call__ would patch again and never restore.
         fn = _INTERPRETED.get(self.fn)
         if fn is None:
-            fn = _INTERPRETED[self.fn] = InterpretedFunction(self.fn)
+            fn = _INTERPRETED[self.fn] = InterpretedFunction(self.fn).rewrite()
         return fn(*args, **kwargs)
 
     with _PATCH_LOCK:

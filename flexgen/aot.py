@@ -1,0 +1,61 @@
+"""Compile generated kernels ahead of time for a GPU the machine may not have.
+
+``triton.compile`` with a ``GPUTarget`` runs the whole compiler (down to
+cubin through the ptxas that ships with Triton) without a GPU, so a compile
+error in a generated kernel shows up on a CPU-only machine too. The tests
+record every launch (``flexgen.launch.RECORDED``) and compile each distinct
+kernel here for Hopper (sm_90).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from . import cache, launch
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+_TRITON_DTYPES = {
+    torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
+    torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
+    torch.uint8: "u8", torch.bool: "i1",
+}
+
+
+def _arg_type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + _TRITON_DTYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2**31 <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for kernel argument {value!r}")
+
+
+def compile_launch(spec, args, constexprs, target=HOPPER):
+    """Compile the kernel of ``spec`` for ``target`` with the argument types of one launch."""
+    module = cache.load(spec, interpret=False)
+    kernel = module.KERNEL
+    names = kernel.arg_names
+    signature = {name: _arg_type(a) for name, a in zip(names, args)}
+    signature.update({name: "constexpr" for name in constexprs})
+    source = ASTSource(fn=kernel, signature=signature, constexprs=dict(constexprs))
+    options = {"num_warps": module.NUM_WARPS, "num_stages": getattr(module, "NUM_STAGES", 1)}
+    return triton.compile(source, target=target, options=options)
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect (spec, args, constexprs) of every launch inside the block."""
+    previous = launch.RECORDED
+    launch.RECORDED = []
+    try:
+        yield launch.RECORDED
+    finally:
+        launch.RECORDED = previous
