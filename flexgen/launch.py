@@ -64,6 +64,9 @@ def run(spec: KernelSpec, device: torch.device, *inputs) -> None:
     if RECORDED is not None:
         RECORDED.append((spec, args, constexprs))
     options = dict(num_warps=module.NUM_WARPS, num_stages=getattr(module, "NUM_STAGES", 1))
+    if "DOT_UPCAST" in module.KERNEL.arg_names:
+        # The interpreter's bf16 tl.dot is wrong; kernels multiply in float32 there.
+        constexprs = dict(constexprs, DOT_UPCAST=interpret)
     if interpret:
         with _library_interpreted():
             module.KERNEL[grid](*args, **constexprs, **options)
