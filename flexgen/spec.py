@@ -9,6 +9,7 @@ arguments, so a new length reuses the kernel.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import astuple, dataclass
 
@@ -56,7 +57,7 @@ class KernelSpec:
     def template_version(self) -> int:
         return TEMPLATE_VERSIONS[self.template]
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
         text = repr((self.template_version,) + astuple(self))
         return hashlib.sha256(text.encode()).hexdigest()

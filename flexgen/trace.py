@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -469,3 +470,73 @@ def trace(mod, kind: str) -> Traced:
                          "score), got a bool. Fix: to mask positions use a mask_mod, or "
                          "torch.where(cond, score, -float('inf'))")
     return Traced(kind, tracer.name, root, tuple(tracer.buffers))
+
+
+# --- memoized tracing for the hot path ----------------------------------------------
+_TRACES: dict = {}
+
+
+def _fingerprint(mod, depth: int = 0):
+    """Identities of everything a plain-function mod can read, or None when unknown.
+
+    A function's behaviour is fixed by its code and what its closure cells and
+    globals hold. Identity (not value) is enough: a tensor mutated in place is
+    still the same buffer, so the kernel reads its new values; a rebound name
+    or a new closure changes an identity and the mod is traced again.
+    """
+    code = getattr(mod, "__code__", None)
+    if code is None or depth > 3 or not inspect.isfunction(mod):
+        return None
+    parts = [id(mod), id(code)]
+    cells = []
+    for cell in mod.__closure__ or ():
+        try:
+            cells.append(cell.cell_contents)
+        except ValueError:          # an empty cell
+            return None
+    names = [mod.__globals__.get(name, _MISSING) for name in code.co_names]
+    for value in cells + names:
+        part = _value_fingerprint(value, depth)
+        if part is None:
+            return None
+        parts.append(part)
+    return tuple(parts)
+
+
+def _value_fingerprint(value, depth):
+    if inspect.isfunction(value):
+        return _fingerprint(value, depth + 1)
+    if isinstance(value, tuple):
+        inner = tuple(_value_fingerprint(v, depth) for v in value)
+        return None if None in inner else (id(value), inner)
+    if value is _MISSING or isinstance(value, _STABLE_TYPES):
+        return id(value)
+    # An object whose attributes the mod may read (a config, a list): its
+    # identity does not pin its content, so the mod is traced on every call.
+    return None
+
+
+class _Missing:
+    """A co_name that is not a global: an attribute or a builtin name."""
+
+
+_MISSING = _Missing()
+# Values whose identity pins what a mod can read from them (a tensor's values
+# are read by the kernel at run time, so identity is enough for it too).
+_STABLE_TYPES = (types.ModuleType, types.BuiltinFunctionType, torch.Tensor,
+                 int, float, bool, str, type(None), torch.dtype, type)
+
+
+def trace_cached(mod, kind: str) -> Traced:
+    """``trace(mod, kind)``, reusing the last trace while nothing the mod reads has changed."""
+    key = _fingerprint(mod)
+    if key is None:
+        return trace(mod, kind)
+    key = (kind, key)
+    hit = _TRACES.get(key)
+    if hit is None:
+        if len(_TRACES) > 4096:      # mods made per call: keep the memo bounded
+            _TRACES.clear()
+        # Keep the mod alive with its trace so its id (part of the key) is not reused.
+        hit = _TRACES[key] = (trace(mod, kind), mod)
+    return hit[0]
