@@ -124,6 +124,17 @@ class BlockMask:
             rows.append("…")
         return "\n".join(rows)
 
+    def plot(self, path=None, max_len: int = 256):
+        """A matplotlib Figure of the element mask (first batch and head) with the block grid.
+
+        Full, partial and empty blocks are shaded in distinct colours and the
+        title gives the block counts and sparsity; with ``path`` a PNG is
+        written too. Evaluates mask_mod densely, so Q_LEN and KV_LEN must be
+        <= ``max_len`` (else InputError). Needs matplotlib; see ``flexgen.plot``.
+        """
+        from .plot import plot_block_mask
+        return plot_block_mask(self, path=path, max_len=max_len)
+
     def __repr__(self) -> str:
         B, H, Q_LEN, KV_LEN = self.shape
         name = getattr(self.mask_mod, "__name__", type(self.mask_mod).__name__)

@@ -11,6 +11,12 @@ plain int32 index tensors (``flexgen.reference``) and in
     from flexgen.mods import and_masks, causal_mask, document_mask, tanh_softcap
     mask_mod = and_masks(causal_mask, document_mask(doc_ids))
     score_mod = tanh_softcap(50.0)
+
+Each mask module's docstring draws its mask as a small text picture (█ kept,
+· masked; a test keeps them true). To see any mask_mod at a real size with
+the blocks a kernel visits, build a small BlockMask and plot it (needs
+matplotlib): ``create_block_mask(mask_mod, 1, 1, 128, 128, BLOCK_SIZE=16).plot()``.
+examples/03_mask_gallery.ipynb shows every mask of this package that way.
 """
 from .alibi import alibi, alibi_slopes
 from .block_causal import block_causal

@@ -20,7 +20,10 @@ _FIX = "pass an integer tensor [B] of valid lengths, on the device of q"
 
 
 def kv_padding(kv_lengths):
-    """mask_mod keeping ``kv_idx < kv_lengths[b]`` (``kv_lengths``: integer tensor ``[B]``)."""
+    """mask_mod keeping ``kv_idx < kv_lengths[b]`` (``kv_lengths``: integer tensor ``[B]``).
+
+    Picture of batch element ``b``: the first ``kv_lengths[b]`` columns kept, the rest blank.
+    """
     lengths = int_tensor("kv_lengths", kv_lengths, (1,), _FIX)
 
     def kv_padding_mask(b, h, q_idx, kv_idx):
@@ -30,7 +33,11 @@ def kv_padding(kv_lengths):
 
 
 def q_padding(q_lengths):
-    """mask_mod keeping ``q_idx < q_lengths[b]`` (``q_lengths``: integer tensor ``[B]``)."""
+    """mask_mod keeping ``q_idx < q_lengths[b]`` (``q_lengths``: integer tensor ``[B]``).
+
+    Picture of batch element ``b``: the first ``q_lengths[b]`` rows kept, the rest blank
+    (those queries attend to nothing: zero output, LSE -inf).
+    """
     lengths = int_tensor("q_lengths", q_lengths, (1,), _FIX)
 
     def q_padding_mask(b, h, q_idx, kv_idx):
