@@ -43,9 +43,12 @@ def compile_launch(spec, args, constexprs, target=HOPPER):
     module = cache.load(spec, interpret=False)
     kernel = module.KERNEL
     names = kernel.arg_names
-    signature = {name: _arg_type(a) for name, a in zip(names, args)}
     if "DOT_UPCAST" in names:
         constexprs = dict(constexprs, DOT_UPCAST=False)   # the GPU path, not the interpreter's
+    if len(args) + len(constexprs) != len(names):
+        raise ValueError(f"{spec.kernel_name}: a launch recorded {len(args)} arguments and "
+                         f"{len(constexprs)} constexprs, the kernel takes {len(names)}")
+    signature = {name: _arg_type(a) for name, a in zip(names, args)}
     signature.update({name: "constexpr" for name in constexprs})
     source = ASTSource(fn=kernel, signature=signature, constexprs=dict(constexprs))
     options = {"num_warps": module.NUM_WARPS, "num_stages": getattr(module, "NUM_STAGES", 1)}

@@ -232,7 +232,13 @@ def _binary(op: str, a, b) -> "Proxy":
                              and _negative_const(nb)):
         dtype = torch.float32
     elif dtype == torch.bool:
-        dtype = torch.int32 if op != "minimum" and op != "maximum" else torch.bool
+        # torch keeps bool + bool and bool * bool as bool: logical or / and.
+        if op in ("add", "mul"):
+            return Proxy(Node("or" if op == "add" else "and", (na, nb), torch.bool))
+        if op == "sub":
+            raise _tracer().fail("subtraction of two bools (torch refuses it too)",
+                                 "use ^ (logical xor) or & ~ (and not)")
+        dtype = torch.int32 if op not in ("minimum", "maximum") else torch.bool
     return Proxy(Node(op, (na, nb), dtype))
 
 

@@ -1,0 +1,64 @@
+"""The ahead-of-time compile check that conftest runs after every test.
+
+conftest records each launch (``flexgen.launch.RECORDED``) while a test runs
+and compiles every new kernel for sm_90 with ``flexgen.aot.compile_launch``;
+a compile error fails the test. These tests check the pieces: recording is on
+inside a test, a real kernel compiles to sm_90 code, a broken one fails the
+check (and keeps failing it), and the memo avoids compiling a kernel twice.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from flexgen import aot, cache, create_block_mask, flex_attention, launch
+from flexgen import mods as M
+from flexgen.codegen import Snippet
+import conftest
+from conftest import compile_recorded, make_qkv
+
+pytestmark = pytest.mark.skipif(not conftest.AOT_ENABLED, reason="FLEXGEN_TEST_AOT=0")
+
+
+def one_launch():
+    q, k, v = make_qkv(B=1, H=1, L=40, D=32)
+    mask = create_block_mask(M.causal_mask, None, None, 40, 40, device="cpu", BLOCK_SIZE=32)
+    with aot.recording() as launches:
+        flex_attention(q, k, v, score_mod=M.tanh_softcap(9.0), block_mask=mask)
+    assert len(launches) == 1
+    return launches[0], (q, k, v)
+
+
+def test_launches_are_recorded_during_a_test():
+    assert isinstance(launch.RECORDED, list), "conftest must record launches while a test runs"
+    before = len(launch.RECORDED)
+    q, k, v = make_qkv(B=1, H=1, L=40, D=32)
+    flex_attention(q, k, v)
+    assert len(launch.RECORDED) == before + 1
+    spec, args, constexprs = launch.RECORDED[-1]
+    assert spec.template == "forward" and "BLOCK_M" in constexprs
+
+
+def test_real_kernel_compiles_for_hopper():
+    (spec, args, constexprs), _ = one_launch()
+    compiled = aot.compile_launch(spec, args, constexprs)
+    ptx = compiled.asm["ptx"]
+    assert ".target sm_90" in ptx
+    assert spec.kernel_name in ptx
+    assert compiled.asm.get("cubin"), "ptxas must have produced a cubin"
+    assert compile_recorded([(spec, args, constexprs)]) in (0, 1)   # the memo may know it already
+    assert compile_recorded([(spec, args, constexprs)]) == 0, "a compiled kernel is not compiled twice"
+
+
+def test_broken_kernel_fails_the_check():
+    (spec, args, constexprs), _ = one_launch()
+    # the same kernel with a score_mod snippet that names nothing: same arguments
+    broken = dataclasses.replace(spec, score=Snippet((), "qk + no_such_name_in_the_kernel", "float"))
+    assert broken.key != spec.key
+    assert "no_such_name_in_the_kernel" in cache.source(broken)
+    with pytest.raises(Exception, match="no_such_name_in_the_kernel"):
+        aot.compile_launch(broken, args, constexprs)
+    for _ in range(2):   # memoized failures keep failing every test that launches the kernel
+        with pytest.raises(pytest.fail.Exception, match="(?s)sm_90.*" + broken.kernel_name):
+            compile_recorded([(broken, args, constexprs)])

@@ -1,0 +1,266 @@
+"""``create_block_mask``: block lists against the dense mask, fields, memory.
+
+The block state of every (batch, head, query block, kv block) is derived
+here independently from ``flexgen.reference.dense_mask``: empty when no
+position inside the sequence is kept, full when every one is, partial
+otherwise. flexgen decides most blocks from sympy interval bounds and the
+rest with a generated kernel; both must agree with the dense picture.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import flexgen
+from flexgen import BlockMask, and_masks, create_block_mask, create_mask, or_masks
+from flexgen import mods as M
+from flexgen.reference import dense_mask
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+def expected_states(mask_mod, B, H, Q_LEN, KV_LEN, q_block, kv_block):
+    """int8 [B, H, NQ, NKV] block states computed from the dense mask."""
+    dense = dense_mask(mask_mod, B, H, Q_LEN, KV_LEN).to(torch.int32)
+    nq, nkv = -(-Q_LEN // q_block), -(-KV_LEN // kv_block)
+    padded = torch.zeros(B, H, nq * q_block, nkv * kv_block, dtype=torch.int32)
+    padded[..., :Q_LEN, :KV_LEN] = dense
+    valid = torch.zeros(nq * q_block, nkv * kv_block, dtype=torch.int32)
+    valid[:Q_LEN, :KV_LEN] = 1
+    kept = padded.view(B, H, nq, q_block, nkv, kv_block).sum((3, 5))
+    total = valid.view(nq, q_block, nkv, kv_block).sum((1, 3))
+    states = torch.full_like(kept, PARTIAL, dtype=torch.int8)
+    states[kept == 0] = EMPTY
+    states[kept == total] = FULL
+    return states
+
+
+def lists_from_states(states, value):
+    """(count, sorted indices) of the entries equal to ``value`` along the last dim."""
+    hit = states == value
+    return hit.sum(-1), [[[torch.nonzero(row).flatten().tolist() for row in head] for head in batch]
+                         for batch in hit]
+
+
+def check_lists(num, idx, states, value):
+    """A (num_blocks, indices) pair lists exactly the blocks in ``state``, in increasing order."""
+    count, expected = lists_from_states(states, value)
+    assert num.dtype == torch.int32 and idx.dtype == torch.int32
+    assert torch.equal(num.long(), count)
+    n = idx.shape[-1]
+    assert ((idx >= 0) & (idx < n)).all(), "padding indices must stay in range"
+    for b, batch in enumerate(expected):
+        for h, head in enumerate(batch):
+            for m, row in enumerate(head):
+                assert idx[b, h, m, :len(row)].tolist() == row, (b, h, m)
+
+
+def check_mask(mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE):
+    mask = create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=BLOCK_SIZE)
+    qb, kvb = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else BLOCK_SIZE
+    Bn, Hn = B or 1, H or 1
+    states = expected_states(mask_mod, Bn, Hn, Q_LEN, KV_LEN, qb, kvb)
+    nq, nkv = states.shape[-2:]
+    assert isinstance(mask, BlockMask)
+    assert mask.shape == (Bn, Hn, Q_LEN, KV_LEN)
+    assert mask.seq_lengths == (Q_LEN, KV_LEN) and mask.BLOCK_SIZE == (qb, kvb)
+    assert mask.mask_mod is mask_mod and mask.device == torch.device("cpu")
+    shapes = {
+        "kv_num_blocks": (Bn, Hn, nq), "kv_indices": (Bn, Hn, nq, nkv),
+        "full_kv_num_blocks": (Bn, Hn, nq), "full_kv_indices": (Bn, Hn, nq, nkv),
+        "q_num_blocks": (Bn, Hn, nkv), "q_indices": (Bn, Hn, nkv, nq),
+        "full_q_num_blocks": (Bn, Hn, nkv), "full_q_indices": (Bn, Hn, nkv, nq),
+    }
+    for name, shape in shapes.items():
+        assert tuple(getattr(mask, name).shape) == shape, name
+    assert torch.equal(mask.block_states(), states), "block states differ from the dense mask"
+    check_lists(mask.kv_num_blocks, mask.kv_indices, states, PARTIAL)
+    check_lists(mask.full_kv_num_blocks, mask.full_kv_indices, states, FULL)
+    # the transposed lists: per kv block, its query blocks
+    check_lists(mask.q_num_blocks, mask.q_indices, states.transpose(-1, -2), PARTIAL)
+    check_lists(mask.full_q_num_blocks, mask.full_q_indices, states.transpose(-1, -2), FULL)
+    assert torch.equal(mask.to_dense(), (states > 0).to(torch.int32))
+    computed = int((states > 0).sum())
+    assert mask.sparsity() == pytest.approx(100.0 * (1 - computed / states.numel()))
+    return mask
+
+
+DOC = M.doc_ids_from_lengths([17, 1, 60, 33, 89])            # 200 tokens
+DOC_B = torch.stack([M.doc_ids_from_lengths([100, 100]), M.doc_ids_from_lengths([3, 150, 47])])
+PREFIX_B = torch.tensor([0, 77], dtype=torch.int32)
+BIAS_KEEP = torch.rand(2, 3, 200) > 0.3
+
+
+def modular(b, h, q_idx, kv_idx):
+    return (q_idx % 7) == (kv_idx % 7) | (kv_idx // 50 == q_idx // 50)
+
+
+def dilated(b, h, q_idx, kv_idx):
+    return ((q_idx - kv_idx) % (h + 2) == 0) & (kv_idx <= q_idx)
+
+
+def per_head_window(b, h, q_idx, kv_idx):
+    return abs(q_idx - kv_idx) <= 8 + 40 * h - 10 * b
+
+
+def captured_bool(b, h, q_idx, kv_idx):
+    return BIAS_KEEP[b, h, kv_idx] | (q_idx == kv_idx)
+
+
+def nothing(b, h, q_idx, kv_idx):
+    return q_idx < 0
+
+
+MASKS = {
+    "causal": (M.causal_mask, None, None),
+    "sliding_window": (M.sliding_window(23), None, None),
+    "two_sided_window": (M.sliding_window(30, causal=False), None, None),
+    "prefix_lm": (M.prefix_lm(41), None, None),
+    "prefix_lm_per_batch": (M.prefix_lm(PREFIX_B), 2, None),
+    "document": (M.document_mask(DOC), None, None),
+    "document_per_batch": (M.document_mask(DOC_B), 2, None),
+    "causal_and_document": (and_masks(M.causal_mask, M.document_mask(DOC)), None, None),
+    "window_or_sink": (or_masks(M.sliding_window(16), lambda b, h, q_idx, kv_idx: kv_idx < 4), None, None),
+    "modular": (modular, None, None),
+    "dilated_per_head": (dilated, None, 3),
+    "per_batch_and_head": (per_head_window, 2, 3),
+    "captured_bool": (captured_bool, 2, 3),
+    "nothing": (nothing, None, None),
+    "noop": (flexgen.noop_mask, None, None),
+}
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+@pytest.mark.parametrize("Q_LEN,KV_LEN,BLOCK_SIZE", [(200, 200, 32), (67, 200, 16), (200, 131, (64, 16))])
+def test_block_lists_match_dense_mask(name, Q_LEN, KV_LEN, BLOCK_SIZE):
+    mask_mod, B, H = MASKS[name]
+    check_mask(mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE)
+
+
+def test_default_block_size_and_single_block():
+    mask = check_mask(M.causal_mask, 1, 1, 67, 67, 128)
+    assert mask.BLOCK_SIZE == (128, 128)
+    # one ragged block: the diagonal makes it partial
+    assert mask.kv_num_blocks.tolist() == [[[1]]] and mask.full_kv_num_blocks.tolist() == [[[0]]]
+
+
+def test_causal_block_structure():
+    mask = create_block_mask(M.causal_mask, None, None, 256, 256, device="cpu", BLOCK_SIZE=64)
+    assert mask.kv_num_blocks[0, 0].tolist() == [1, 1, 1, 1]          # the diagonal blocks
+    assert mask.full_kv_num_blocks[0, 0].tolist() == [0, 1, 2, 3]     # everything below it
+    assert mask.kv_indices[0, 0, :, 0].tolist() == [0, 1, 2, 3]
+    assert mask.full_kv_indices[0, 0, 3, :3].tolist() == [0, 1, 2]
+    assert mask.q_num_blocks[0, 0].tolist() == [1, 1, 1, 1]
+    assert mask.full_q_num_blocks[0, 0].tolist() == [3, 2, 1, 0]
+    assert mask.sparsity() == pytest.approx(100 * 6 / 16)
+
+
+def test_repr_and_to_string():
+    mask = create_block_mask(M.causal_mask, None, None, 256, 256, device="cpu", BLOCK_SIZE=64)
+    text = repr(mask)
+    assert text.startswith("BlockMask(shape=(B=1, H=1, Q_LEN=256, KV_LEN=256)")
+    assert "BLOCK_SIZE=(64, 64)" in text and "sparsity=37.50%" in text and "causal_mask" in text
+    assert mask.to_string().splitlines() == ["░   ", "█░  ", "██░ ", "███░"]
+    big = create_block_mask(M.causal_mask, None, None, 4096, 4096, device="cpu", BLOCK_SIZE=64)
+    assert "\n" not in repr(big)     # no picture for large masks, but the header is there
+    assert len(big.to_string(max_blocks=8).splitlines()) == 9
+
+
+def test_to_device_keeps_lists():
+    mask = create_block_mask(M.sliding_window(40), 1, 2, 130, 130, device="cpu", BLOCK_SIZE=32)
+    moved = mask.to("cpu")
+    assert moved.seq_lengths == mask.seq_lengths and moved.BLOCK_SIZE == mask.BLOCK_SIZE
+    assert torch.equal(moved.block_states(), mask.block_states())
+
+
+@pytest.mark.parametrize("name", ["causal", "document_per_batch", "per_batch_and_head", "modular"])
+def test_create_mask_is_dense_mask(name):
+    mask_mod, B, H = MASKS[name]
+    dense = create_mask(mask_mod, B, H, 67, 131, device="cpu")
+    assert dense.dtype == torch.bool and dense.shape == (B or 1, H or 1, 67, 131)
+    assert torch.equal(dense, dense_mask(mask_mod, B or 1, H or 1, 67, 131))
+
+
+def test_create_mask_of_score_mod():
+    def inf_mask(score, b, h, q_idx, kv_idx):
+        return torch.where(kv_idx <= q_idx, score, -float("inf"))
+
+    assert torch.equal(create_mask(inf_mask, 1, 1, 20, 20, device="cpu"),
+                       create_mask(M.causal_mask, 1, 1, 20, 20, device="cpu"))
+
+
+def test_new_lengths_reuse_the_mask_kernel():
+    def odd_band(b, h, q_idx, kv_idx):   # needs the element kernel (undecided blocks)
+        return ((q_idx + kv_idx) % 5 != 0) & (abs(q_idx - kv_idx) < 30)
+
+    check_mask(odd_band, None, None, 100, 100, 32)
+    n = len(flexgen.cache._MODULES)
+    check_mask(odd_band, None, None, 173, 211, 32)
+    assert len(flexgen.cache._MODULES) == n
+
+
+MEMORY_SCRIPT = textwrap.dedent("""
+    import resource, sys, time
+    import torch
+    from flexgen import create_block_mask
+    from flexgen.mods import doc_ids_from_lengths, document_mask
+
+    torch.manual_seed(0)
+    L = 32768
+
+    def random_doc_ids(n):
+        lengths = []
+        while sum(lengths) < n:
+            lengths.append(int(torch.randint(1, 3000, ()).item()))
+        lengths[-1] -= sum(lengths) - n
+        return doc_ids_from_lengths(lengths)
+
+    # warm up: imports, tracing machinery, the block-mask kernel of this mod
+    create_block_mask(document_mask(random_doc_ids(300)), None, None, 300, 300, device="cpu")
+    ids = random_doc_ids(L)
+
+    def status_kib(field):
+        with open("/proc/self/status") as f:
+            return int(next(l for l in f if l.startswith(field + ":")).split()[1])
+
+    # ru_maxrss (KiB on Linux) is a high-water mark that the imports have already
+    # raised: a build that stays under it would read as zero growth. So the peak
+    # (VmHWM) is also reset to the current RSS first, and measured from there.
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        reset = True
+    except OSError:
+        reset = False
+    rss_before = status_kib("VmRSS")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    mask = create_block_mask(document_mask(ids), None, None, L, L, device="cpu")
+    seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    grow_mib = (after - before) / 1024
+    peak_mib = (status_kib("VmHWM") - rss_before) / 1024 if reset else grow_mib
+    assert tuple(mask.kv_indices.shape) == (1, 1, 256, 256)
+    print(f"RESULT growth_mib={grow_mib:.1f} peak_over_current_mib={peak_mib:.1f} "
+          f"seconds={seconds:.2f} sparsity={mask.sparsity():.2f}")
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss units are Linux's")
+def test_large_document_mask_memory(tmp_path):
+    """A 32768 x 32768 document mask never materializes the dense mask (1 GiB as bool)."""
+    env = dict(os.environ, FLEXGEN_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")][-1]
+    print(line)
+    values = dict(kv.split("=") for kv in line.split()[1:])
+    assert float(values["growth_mib"]) < 200, line
+    assert float(values["peak_over_current_mib"]) < 200, line
+    assert float(values["seconds"]) < 120, line
