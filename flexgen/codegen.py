@@ -142,12 +142,18 @@ class TritonPrinter:
         sign = ""
         if coeff.is_negative:
             sign, coeff = "-", -coeff
+        float_coeff = None
         if coeff != 1:
-            if coeff.is_Rational and not coeff.is_Integer:
+            if coeff.is_Rational and not coeff.is_Integer and max(coeff.p, coeff.q) <= 4096:
+                # A small fraction (x / 30, 3 * x / 4) is printed as written.
                 num.append(sympy.Integer(coeff.p)) if coeff.p != 1 else None
                 den.append(sympy.Integer(coeff.q))
-            else:
+            elif coeff.is_Integer:
                 num.append(coeff)
+            else:
+                # A float constant (0.05 becomes 3602879701896397 / 2**56 in sympy):
+                # multiply in float, as torch does, never in int32.
+                float_coeff = _float_literal(coeff)
         for f in sympy.Mul.make_args(rest):
             if f.is_Pow and f.exp.is_Integer and f.exp < 0:
                 den.append(f.base ** -f.exp)
@@ -155,6 +161,9 @@ class TritonPrinter:
                 num.append(f)
         printed, kind = self.numeric(num or [sympy.Integer(1)])
         code = " * ".join(c for c, _ in printed)
+        if float_coeff is not None:
+            code = f"{float_coeff} * " + (code if kind == "float" else f"({code}).to(tl.float32)")
+            kind = "float"
         if den:
             dcode = " * ".join(self.as_float(d) for d in den)
             fnum = code if kind == "float" else f"({code}).to(tl.float32)"
@@ -258,6 +267,14 @@ class TritonPrinter:
             code = f"tl.where({self.as_bool(piece.cond)}, {c}, {code})"
         return code, ("float" if "float" in kinds else "int")
 
+    def _print_Heaviside(self, e):
+        # Heaviside(x, h0): the derivative of Max / Min; h0 (1/2 by default) at x == 0.
+        x = e.args[0]
+        h0 = e.args[1] if len(e.args) > 1 else sympy.Rational(1, 2)
+        above = self.print(sympy.StrictGreaterThan(x, 0, evaluate=False))[0]
+        below = self.print(sympy.StrictLessThan(x, 0, evaluate=False))[0]
+        return f"tl.where({above}, 1.0, tl.where({below}, 0.0, {_float_literal(h0)}))", "float"
+
     def _bitop(self, e, op):
         return "(" + f" {op} ".join(self.as_int(a) for a in e.args) + ")", "int"
 
@@ -296,29 +313,110 @@ class TritonPrinter:
         return f"tl.where({self.as_bool(c)}, {self.as_bool(a)}, {self.as_bool(b)})", "bool"
 
     # --- captured buffers --------------------------------------------------------
+    def _index_terms(self, e, stride_name: str) -> tuple:
+        """(offsets, in_bounds) of load ``e``: one term per dimension, strides of ``stride_name``.
+
+        Negative indices wrap as in torch indexing; the bounds are those of the
+        loaded buffer. A constant index becomes a [1, 1] tile so that every mask
+        is a tensor (the interpreter rejects scalar masks).
+        """
+        name = e.func.name
+        offsets, in_bounds = [], []
+        for d, index in enumerate(e.args):
+            if index.is_Integer:
+                i, _ = self.temp(f"tl.full([1, 1], {int(index)}, tl.int32)", "int")
+            elif index.is_Symbol and index.is_nonnegative:
+                i = self.as_int(index)
+            else:
+                i, _ = self.temp(self.as_int(index), "int")
+            if not index.is_nonnegative:
+                self.lines.append(f"{i} = tl.where({i} < 0, {i} + {name}_size{d}, {i})")
+                in_bounds.append(f"({i} >= 0)")
+            offsets.append(f"{i}.to(tl.int64) * {stride_name}_stride{d}")
+            in_bounds.append(f"({i} < {name}_size{d})")
+        return offsets, in_bounds
+
     def _print_load(self, e):
-        name = type(e).__name__ if not hasattr(e.func, "name") else e.func.name
+        name = e.func.name
         if not e.args:
             code = f"tl.load({name}_ptr)"
         else:
-            offsets, in_bounds = [], []
-            for d, index in enumerate(e.args):
-                if index.is_Symbol and index.is_nonnegative:
-                    i = self.as_int(index)
-                else:
-                    i, _ = self.temp(self.as_int(index), "int")
-                if not index.is_nonnegative:
-                    # Negative indices count from the end, as in torch indexing.
-                    self.lines.append(f"{i} = tl.where({i} < 0, {i} + {name}_size{d}, {i})")
-                offsets.append(f"{i}.to(tl.int64) * {name}_stride{d}")
-                low = [] if index.is_nonnegative else [f"({i} >= 0)"]
-                in_bounds += low + [f"({i} < {name}_size{d})"]
+            offsets, in_bounds = self._index_terms(e, name)
             # Positions outside the tensor (only reached in padded tails) read 0.
             code = (f"tl.load({name}_ptr + {' + '.join(offsets)}, "
                     f"mask={' & '.join(in_bounds)}, other=0)")
         integer = bool(e.is_integer)
         code = f"{code}.to({'tl.int32' if integer else 'tl.float32'})"
         return self.temp(code, "int" if integer else "float")
+
+    def print_address(self, e, grad_name: str) -> tuple:
+        """(offset, in_bounds) of load ``e``'s element in the buffer ``{grad_name}_ptr``.
+
+        The same index arithmetic as ``_print_load`` with the strides of
+        ``grad_name``: a gradient is scattered to exactly the element the load read.
+        A 0-d load gives offset "0" and in_bounds None.
+        """
+        if not e.args:
+            return "0", None
+        offsets, in_bounds = self._index_terms(e, grad_name)
+        return " + ".join(offsets), " & ".join(in_bounds)
+
+
+class _SharedLoadPrinter(TritonPrinter):
+    """A printer that loads each buffer element once, however often the expressions read it.
+
+    sympy.cse leaves some repeated loads in place (a 0-d buffer's ``sbuf0()``
+    is an atom to it); a load is pure, so its temporary is reused.
+    """
+
+    def __init__(self, temp_prefix: str):
+        super().__init__(temp_prefix)
+        self.loaded: dict = {}
+
+    def _print_load(self, e):
+        if e not in self.loaded:
+            self.loaded[e] = super()._print_load(e)
+        return self.loaded[e]
+
+
+@dataclass(frozen=True)
+class JointSnippet:
+    """Statements computing several values at once (shared subexpressions computed once)."""
+    lines: tuple        # "name = code" statements, in order
+    results: tuple      # one expression per value, valid after ``lines``
+    kinds: tuple        # "bool", "int" or "float" per value
+
+
+def print_joint(exprs, temp_prefix: str) -> JointSnippet:
+    """Triton statements computing every expression of ``exprs`` (e.g. a mod and its derivatives).
+
+    Common subexpressions across all of them (a loaded bias, ``tanh(score / c)``)
+    are computed once; temporaries are named ``{temp_prefix}{n}``.
+    """
+    printer = _SharedLoadPrinter(temp_prefix)
+    replacements, reduced = sympy.cse(list(exprs), symbols=sympy.numbered_symbols("_cse"),
+                                      order="none")
+    for sym, sub in replacements:
+        code, kind = printer.print(sub)
+        name, kind = printer.temp(code, kind)
+        printer.names[sym], printer.kinds[sym] = name, kind
+    printed = [printer.print(r) for r in reduced]
+    return JointSnippet(tuple(printer.lines), tuple(c for c, _ in printed), tuple(k for _, k in printed))
+
+
+@dataclass(frozen=True)
+class Address:
+    """Where a scatter writes: statements, then an offset and a bounds mask (None: always)."""
+    lines: tuple
+    offset: str
+    in_bounds: str | None
+
+
+def print_address(load, grad_name: str, temp_prefix: str) -> Address:
+    """The element of the gradient buffer ``grad_name`` that load application ``load`` read."""
+    printer = TritonPrinter(temp_prefix)
+    offset, in_bounds = printer.print_address(load, grad_name)
+    return Address(tuple(printer.lines), offset, in_bounds)
 
 
 def print_snippet(expr, temp_prefix: str) -> Snippet:
@@ -335,4 +433,5 @@ def print_snippet(expr, temp_prefix: str) -> Snippet:
 
 
 __all__ = ["Snippet", "TritonPrinter", "print_snippet", "SYMBOLS",
+           "JointSnippet", "Address", "print_joint", "print_address",
            "BitAnd", "BitOr", "BitXor", "BitNot", "Sigmoid", "Trunc"]

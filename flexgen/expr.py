@@ -20,6 +20,7 @@ import math
 
 import sympy
 import torch
+from sympy.core.function import UndefinedFunction
 
 from .trace import Node, Traced
 
@@ -254,3 +255,96 @@ def has_loads(expr) -> bool:
     """Whether ``expr`` reads a captured buffer."""
     return any(isinstance(f.func, sympy.core.function.UndefinedFunction)
                for f in expr.atoms(sympy.Function))
+
+
+# --- derivatives, for the backward kernels ---------------------------------------
+
+# Functions that are constant between jumps: a value that flows through one
+# of them has a zero derivative wherever it has one, so a gradient that must
+# pass through them is silently lost. ``derivative`` refuses them.
+PIECEWISE_CONSTANT = (sympy.floor, sympy.ceiling, sympy.sign, Trunc, BitAnd, BitOr, BitXor, BitNot)
+
+
+class NotDifferentiable(Exception):
+    """``derivative`` met a sub-expression the variable cannot be differentiated through.
+
+    ``part`` is that sub-expression and ``reason`` a phrase saying why; the
+    caller (which knows the mod's name) turns it into a user-facing error.
+    """
+
+    def __init__(self, part, reason: str):
+        super().__init__(f"{reason}: {part}")
+        self.part, self.reason = part, reason
+
+
+def is_load(e) -> bool:
+    """Whether ``e`` is an application ``{prefix}buf{slot}(indices...)`` of a captured buffer."""
+    return isinstance(type(e), UndefinedFunction)
+
+
+def load_applications(expr, names) -> list:
+    """The distinct loads of the buffers named ``names`` in ``expr``, in a stable order."""
+    found = {f for f in expr.atoms(sympy.Function) if is_load(f) and f.func.__name__ in names}
+    return list(sympy.ordered(found))
+
+
+def derivative(expr, var):
+    """``d expr / d var``, for ``var`` the score symbol or one load application.
+
+    A load application is differentiated as if it were a symbol (the value it
+    loads). Piecewise conditions contribute nothing (their derivative is zero
+    almost everywhere, as in torch), Min / Max give ``Heaviside`` (1/2 at a
+    tie, torch's rule for minimum / maximum), a float ``Mod(a, m)`` is
+    ``a - m * floor(a / m)`` with the floor held constant (torch's rule for
+    remainder). Raises ``NotDifferentiable`` where the variable reaches a
+    piecewise-constant function (floor, ceil, sign, a cast to int, bitwise
+    ops) or the index of a load, and where sympy leaves an unevaluated
+    derivative.
+    """
+    x = var if isinstance(var, sympy.Symbol) else sympy.Dummy("load", real=True)
+    e = expr if x is var else expr.xreplace({var: x})
+    if x not in e.free_symbols:
+        return sympy.Integer(0)
+    frozen = {}
+
+    def freeze_mod(node):
+        # Mod(a, m) = a - m * floor(a / m); the floor is a step function, so
+        # it is held constant: d/da = 1, d/dm = -floor(a / m).
+        if isinstance(node, sympy.Mod) and x in node.free_symbols and not node.is_integer:
+            a, m = node.args
+            step = sympy.Dummy("floor")
+            frozen[step] = sympy.floor(a / m)
+            return a - m * step
+        return None
+
+    e = e.replace(lambda n: isinstance(n, sympy.Mod), lambda n: freeze_mod(n) or n)
+    _check_differentiable(e, x, var)
+    d = sympy.diff(e, x)
+    if d.has(sympy.Derivative, sympy.Subs):
+        leftover = next(iter(d.atoms(sympy.Derivative, sympy.Subs)))
+        raise NotDifferentiable(leftover.xreplace({x: var}), "sympy cannot differentiate it")
+    # sign(x) is ruled out above, so DiracDelta (its derivative) can only come
+    # from higher-order terms that vanish almost everywhere, as torch treats them.
+    d = d.replace(lambda n: isinstance(n, sympy.DiracDelta), lambda n: sympy.Integer(0))
+    return d.xreplace(frozen).xreplace({x: var})
+
+
+def _check_differentiable(e, x, var) -> None:
+    """Raise ``NotDifferentiable`` where ``x`` flows into a step function or an index.
+
+    Conditions (of Piecewise, or comparisons) are not followed: a comparison
+    of the variable only selects a branch, and contributes nothing itself.
+    """
+    if x not in e.free_symbols or is_bool(e):
+        return
+    if isinstance(e, PIECEWISE_CONSTANT) or (isinstance(e, sympy.Mod) and e.is_integer):
+        raise NotDifferentiable(e.xreplace({x: var}),
+                                "it passes through a piecewise-constant (integer-valued) function")
+    if is_load(e):
+        raise NotDifferentiable(e.xreplace({x: var}), "it flows into the index of a captured tensor")
+    if isinstance(e, sympy.Piecewise):
+        for piece in e.args:
+            _check_differentiable(piece.expr, x, var)
+        return
+    for arg in e.args:
+        _check_differentiable(arg, x, var)

@@ -1,0 +1,331 @@
+"""Gradients of flexgen.flex_attention against torch autograd on the float64 oracle.
+
+Each case runs ``flex_attention`` forward and backward on CPU tensors (the
+Triton interpreter) with a random upstream gradient, and compares dQ, dK, dV
+(and the gradients of captured tensors that require grad) with
+``torch.autograd`` through ``flexgen.reference.flex_attention_reference``
+computed in float64 from the same float32 inputs. Outputs, dQ / dK / dV and
+delta are poisoned with NaN before each launch, so an element a kernel fails
+to write fails the comparison. Every kernel a test launches, the backward
+ones included, is also compiled ahead of time for sm_90 by the suite's
+conftest (``compile_recorded``), so a kernel that only the GPU compiler
+rejects fails here too.
+
+Sizes are small and tiles 32 wide (the interpreter's cost is per operation,
+the ahead-of-time compile's per tile size), and lengths odd so tails are
+partial.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("FLEXGEN_POISON", "1")  # before flexgen is imported, if it is not yet
+
+from dataclasses import dataclass, field  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import flexgen  # noqa: E402
+import flexgen.api  # noqa: E402
+import flexgen.launch  # noqa: E402
+from flexgen import create_block_mask, flex_attention  # noqa: E402
+from flexgen import mods as M  # noqa: E402
+from flexgen.backward import GradientError  # noqa: E402
+from flexgen.reference import flex_attention_reference  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs(monkeypatch):
+    # flexgen.api reads FLEXGEN_POISON at import, which another test module may
+    # have done first: set the flag itself as well.
+    monkeypatch.setattr(flexgen.api, "POISON", True)
+
+
+def _backward_launches() -> int:
+    """Backward kernels launched so far in this test (conftest records every launch)."""
+    recorded = flexgen.launch.RECORDED or []
+    return sum(spec.template == "backward" for spec, _, _ in recorded)
+
+
+@dataclass
+class Case:
+    id: str
+    mask: object = None             # mask_mod factory (no arguments), or None for no block mask
+    score: object = None            # score_mod factory: learned tensors dict -> score_mod, or None
+    learned: dict = field(default_factory=dict)   # name -> (shape, init scale) of tensors to train
+    B: int = 1
+    Hq: int = 2
+    Hkv: int = 2
+    L: int = 45
+    Lkv: int | None = None
+    D: int = 64
+    Dv: int | None = None
+    q_scale: float = 1.0
+    dtype: torch.dtype = torch.float32
+    with_lse: bool = False          # the loss also depends on the returned LSE
+    tol: float = 2e-5               # max error, relative to the largest reference gradient
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+DOCS = torch.stack([M.doc_ids_from_lengths([20, 5, 24]), M.doc_ids_from_lengths([33, 16])])
+
+
+def _learned_biases(t):
+    temperature, q_bias, kv_bias = t["temperature"], t["q_bias"], t["kv_bias"]
+
+    def learned_biases(score, b, h, q_idx, kv_idx):
+        # A 0-d tensor, a [H, Lq] table read along rows, a [Lkv] table read along
+        # columns, and a clamp (Heaviside derivative).
+        return torch.clamp(score * temperature, -2.0, 2.0) + q_bias[h, q_idx] + kv_bias[kv_idx]
+
+    return learned_biases
+
+
+def _score_kills_rows(score, b, h, q_idx, kv_idx):
+    return torch.where(kv_idx + 7 <= q_idx, score, -float("inf"))
+
+
+CASES = [
+    Case("no_mod", B=2, L=37),
+    Case("causal_gqa", mask=lambda: M.causal_mask, Hq=4, Hkv=2, L=77),
+    Case("sliding_window", mask=lambda: M.sliding_window(20), L=70),
+    Case("document", mask=lambda: M.document_mask(DOCS), B=2, L=49),
+    Case("alibi", mask=lambda: M.causal_mask, score=lambda t: M.alibi(num_heads=4), Hq=4, Hkv=1),
+    Case("alibi_learned_slopes", mask=lambda: M.causal_mask,
+         score=lambda t: M.alibi(slopes=t["slopes"]), learned={"slopes": ((2,), 0.5)}, L=53),
+    Case("softcap_d80", score=lambda t: M.tanh_softcap(2.0), D=80, L=50, q_scale=3.0),
+    Case("relative_bias_learned", mask=lambda: M.causal_mask,
+         score=lambda t: M.relative_position_bias(t["table"], 45),
+         learned={"table": ((2, 89), 1.0)}),
+    Case("t5_bias_learned_gqa", score=lambda t: M.t5_relative_bias(t["table"], 8, 20),
+         learned={"table": ((4, 8), 1.0)}, Hq=4, Hkv=2, L=41),
+    Case("d128_causal", mask=lambda: M.causal_mask, D=128, L=39),
+    # Rows 0..6 see no key at all: zero gradients there, and no NaN anywhere.
+    Case("fully_masked_rows", mask=lambda: M.causal(-7), L=40),
+    # The same rows dead through the score_mod alone (-inf scores, no block mask).
+    Case("score_mod_kills_rows", score=lambda t: _score_kills_rows, L=40),
+    Case("cross_lengths_dv32", mask=lambda: M.causal_lower_right(33, 70), L=33, Lkv=70, Dv=32),
+    Case("learned_biases_and_lse", mask=lambda: M.causal_mask, score=_learned_biases,
+         learned={"temperature": ((), 1.0), "q_bias": ((2, 45), 1.0), "kv_bias": ((48,), 1.0)},
+         with_lse=True),
+    Case("bf16_causal", mask=lambda: M.causal_mask, dtype=torch.bfloat16, L=41, tol=3e-2),
+]
+
+
+def _inputs(case: Case):
+    g = _gen(hash(case.id) % 2**31)
+    Lkv = case.Lkv or case.L
+    q = torch.randn(case.B, case.Hq, case.L, case.D, generator=g) * case.q_scale
+    k = torch.randn(case.B, case.Hkv, Lkv, case.D, generator=g)
+    v = torch.randn(case.B, case.Hkv, Lkv, case.Dv or case.D, generator=g)
+    q, k, v = (t.to(case.dtype).requires_grad_() for t in (q, k, v))
+    learned = {}
+    for name, (shape, scale) in case.learned.items():
+        init = torch.rand(shape, generator=g) if name in ("slopes", "temperature") else \
+            torch.randn(shape, generator=g)
+        learned[name] = (init * scale).requires_grad_()
+    return q, k, v, learned
+
+
+def _check(name, got, want, tol):
+    assert got is not None, f"{name}: no gradient"
+    assert not got.isnan().any(), f"{name}: NaN in the gradient"
+    want = want.to(torch.float64)
+    err = (got.to(torch.float64) - want).abs().max().item()
+    ref = want.abs().max().item()
+    assert err <= tol * max(ref, 1.0), f"{name}: max error {err:.3g}, largest gradient {ref:.3g}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_gradients_match_reference(case):
+    q, k, v, learned = _inputs(case)
+    Lkv = case.Lkv or case.L
+    mask_mod = case.mask() if case.mask else None
+    score_mod = case.score(learned) if case.score else None
+    block_mask = None if mask_mod is None else create_block_mask(
+        mask_mod, case.B, None, case.L, Lkv, device="cpu", BLOCK_SIZE=32)
+    options = {"BLOCK_M": 32, "BLOCK_N": 32}
+    g = _gen(7)
+
+    out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                              enable_gqa=case.Hq != case.Hkv, return_lse=True,
+                              kernel_options=options)
+    d_out = torch.randn(out.shape, generator=g)
+    d_lse = torch.randn(lse.shape, generator=g) if case.with_lse else None
+    loss = (out.float() * d_out).sum()
+    if d_lse is not None:
+        loss = loss + (torch.where(lse.isinf(), 0.0, lse) * d_lse).sum()
+    leaves = [q, k, v, *learned.values()]
+    got = torch.autograd.grad(loss, leaves)
+    if flexgen.launch.RECORDED is not None:
+        assert _backward_launches() == 2        # dQ, then dK / dV
+
+    ref_out, ref_lse = flex_attention_reference(q, k, v, score_mod, mask_mod,
+                                                enable_gqa=case.Hq != case.Hkv, return_lse=True)
+    ref_loss = (ref_out * d_out.double()).sum()
+    if d_lse is not None:
+        ref_loss = ref_loss + (torch.where(ref_lse.isinf(), 0.0, ref_lse) * d_lse.double()).sum()
+    want = torch.autograd.grad(ref_loss, leaves)
+
+    for name, a, b in zip(["dq", "dk", "dv", *learned], got, want):
+        _check(f"{case.id} {name}", a, b, case.tol)
+    if case.id in ("fully_masked_rows", "score_mod_kills_rows"):
+        assert torch.isneginf(lse[:, :, :7]).all()
+        assert (got[0][:, :, :7] == 0).all()
+
+
+def test_only_some_inputs_require_grad():
+    """Gradients come back for exactly the tensors that require them (here: value and a bias)."""
+    g = _gen(3)
+    q, k = (torch.randn(1, 2, 40, 32, generator=g) for _ in range(2))
+    v = torch.randn(1, 2, 40, 32, generator=g, requires_grad=True)
+    bias = torch.randn(2, generator=g, requires_grad=True)
+
+    def head_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+
+    out = flex_attention(q, k, v, score_mod=head_bias, kernel_options={"BLOCK_M": 32, "BLOCK_N": 32})
+    out.sum().backward()
+    ref_v = v.detach().clone().requires_grad_()
+    flex_attention_reference(q, k, ref_v, head_bias).sum().backward()
+    _check("dv", v.grad, ref_v.grad, 2e-5)
+    # The per-head bias shifts every score of a row alike: softmax ignores it.
+    assert bias.grad is not None and bias.grad.abs().max() < 1e-4
+    assert q.grad is None and k.grad is None
+
+
+def test_backward_sources_use_the_transposed_lists_and_scatter():
+    """The dK/dV kernel walks q_num_blocks / q_indices; learned buffers are scattered atomically."""
+    q = torch.randn(1, 2, 64, 32, requires_grad=True)
+    table = torch.randn(2, 127, requires_grad=True)
+    mask = create_block_mask(M.causal_mask, 1, 2, 64, 64, device="cpu", BLOCK_SIZE=32)
+    score_mod = M.relative_position_bias(table, 64)
+    dkdv = flexgen.kernel_source(q, q, q, score_mod=score_mod, block_mask=mask, part="dkdv")
+    dq = flexgen.kernel_source(q, q, q, score_mod=score_mod, block_mask=mask, part="dq")
+    assert "Q_NUM_BLKS" in dkdv and "FULL_Q_IDX" in dkdv and "atomic_add" not in dkdv
+    assert "tl.atomic_add(" in dq and "sbuf0_grad_ptr" in dq
+
+
+def _floor_score(score, b, h, q_idx, kv_idx):
+    return torch.floor(score)
+
+
+def _sign_score(score, b, h, q_idx, kv_idx):
+    return score * torch.sign(score)
+
+
+W = torch.rand(2, requires_grad=True)
+TABLE = torch.randn(8)
+
+
+def _learned_index(score, b, h, q_idx, kv_idx):
+    return score + TABLE[(W[h] * 3).to(torch.int32)]
+
+
+def _floored_bias(score, b, h, q_idx, kv_idx):
+    return score + torch.floor(W[h])
+
+
+@pytest.mark.parametrize("mod, words", [
+    (_floor_score, ["'_floor_score'", "the score", "floor(score)"]),
+    (_sign_score, ["'_sign_score'", "sign(score)"]),
+    (_learned_index, ["'_learned_index'", "captured0", "index", "shape [2]"]),
+    (_floored_bias, ["'_floored_bias'", "floor(captured0[h])"]),
+])
+def test_non_differentiable_mods_raise_before_running(mod, words, monkeypatch):
+    launches = []
+    monkeypatch.setattr(flexgen.launch, "run", lambda *a, **k: launches.append(a))
+    q = torch.randn(1, 2, 20, 16, requires_grad=True)
+    with pytest.raises(GradientError) as info:
+        flex_attention(q, q, q, score_mod=mod)
+    assert isinstance(info.value, flexgen.FlexgenError)
+    for word in words:
+        assert word in str(info.value)
+    assert launches == []
+    # Without gradients the same mod runs.
+    with torch.no_grad():
+        flex_attention(q, q, q, score_mod=mod)
+    assert len(launches) == 1
+
+
+def test_float_remainder_differentiates_like_torch():
+    def wrapped(score, b, h, q_idx, kv_idx):
+        return score % 1.5
+
+    g = _gen(5)
+    q, k, v = (torch.randn(1, 1, 33, 16, generator=g, requires_grad=True) for _ in range(3))
+    out = flex_attention(q, k, v, score_mod=wrapped, kernel_options={"BLOCK_M": 32, "BLOCK_N": 32})
+    d_out = torch.randn(out.shape, generator=g)
+    got = torch.autograd.grad((out * d_out).sum(), (q, k, v))
+    ref = flex_attention_reference(q, k, v, wrapped)
+    want = torch.autograd.grad((ref * d_out.double()).sum(), (q, k, v))
+    for name, a, b in zip("qkv", got, want):
+        _check(f"d{name}", a, b, 2e-4)
+
+
+def test_train_small_model_example():
+    """examples/train_small_model.py: first-step gradients match the reference, the loss falls."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "train_small_model.py"
+    spec = importlib.util.spec_from_file_location("train_small_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main()      # asserts both
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_gradients_match_reference_on_gpu(case):
+    """The same cases compiled for the GPU with its default tiles, in bfloat16.
+
+    (float32 would take the GPU's full-precision dot, which Triton compiles
+    slowly and runs on the CUDA cores: not a configuration worth the test time.)
+    """
+    q, k, v, learned = (t for t in _inputs(case))
+    q, k, v = (t.detach().cuda().to(torch.bfloat16).requires_grad_() for t in (q, k, v))
+    learned = {n: t.detach().cuda().requires_grad_() for n, t in learned.items()}
+    Lkv = case.Lkv or case.L
+    mask_mod = case.mask() if case.mask else None
+    if case.id == "document":
+        mask_mod = M.document_mask(DOCS.cuda())
+    score_mod = case.score(learned) if case.score else None
+    block_mask = None if mask_mod is None else create_block_mask(
+        mask_mod, case.B, None, case.L, Lkv, device="cuda")
+    out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                              enable_gqa=case.Hq != case.Hkv, return_lse=True)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    d_out = torch.randn(out.shape, generator=g, device="cuda")
+    leaves = [q, k, v, *learned.values()]
+    got = torch.autograd.grad((out.float() * d_out).sum(), leaves)
+    ref = flex_attention_reference(q, k, v, score_mod, mask_mod, enable_gqa=case.Hq != case.Hkv)
+    want = torch.autograd.grad((ref * d_out.double()).sum(), leaves)
+    for name, a, b in zip(["dq", "dk", "dv", *learned], got, want):
+        _check(f"{case.id} {name}", a.cpu(), b.cpu(), 3e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [64, 128])
+def test_larger_gradients_on_gpu(dtype, D):
+    """Several sparse blocks per sequence, a learned bias, GQA, half precision."""
+    g = _gen(11)
+    B, Hq, Hkv, L = 2, 4, 2, 1000
+    q, k, v = (torch.randn(B, h, L, D, generator=g).cuda().to(dtype).requires_grad_()
+               for h in (Hq, Hkv, Hkv))
+    table = (torch.randn(Hq, 2 * L - 1, generator=g) * 0.5).cuda().requires_grad_()
+    score_mod = M.compose_score_mods(M.tanh_softcap(30.0), M.relative_position_bias(table, L))
+    mask = create_block_mask(M.sliding_window(300), None, None, L, L, device="cuda")
+    out = flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, enable_gqa=True)
+    d_out = torch.randn(out.shape, generator=g).cuda().to(dtype)
+    leaves = [q, k, v, table]
+    got = torch.autograd.grad((out * d_out).sum(), leaves)
+    ref = flex_attention_reference(q, k, v, score_mod, M.sliding_window(300), enable_gqa=True)
+    want = torch.autograd.grad((ref * d_out.double()).sum(), leaves)
+    for name, a, b in zip(["dq", "dk", "dv", "table"], got, want):
+        _check(f"D={D} {dtype} {name}", a.cpu(), b.cpu(), 2e-2)
