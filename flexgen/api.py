@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 
-from . import launch
+from . import backward, launch
 from .block_mask import BlockMask
 from .cache import source
+from .decode import decode_attention, use_decode_path
 from .errors import InputError, expected
 from .lowering import lower
 from .spec import KernelSpec
-from .trace import trace
+from .trace import trace_cached
 
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 OPTION_KEYS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
@@ -114,8 +117,8 @@ def _check_block_mask(block_mask, query, key):
                        f"block_mask.to('{query.device}')")
 
 
-def _options(kernel_options, head_dim, device, sparse_q, sparse_kv) -> dict:
-    opts = default_options(head_dim, device, sparse_q, sparse_kv)
+def _options(kernel_options, head_dim, device, sparse_q, sparse_kv, defaults=None) -> dict:
+    opts = (defaults or default_options)(head_dim, device, sparse_q, sparse_kv)
     for k, v in (kernel_options or {}).items():
         if k in TORCH_ONLY_OPTIONS:
             continue
@@ -140,8 +143,21 @@ def _check_buffers(traced, device):
                              f"Fix: move it with .to('{device}')")
 
 
-def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options):
-    """Check everything and decide the kernel: (spec, launch inputs without outputs)."""
+@dataclass(frozen=True)
+class _Call:
+    """One checked call: the forward kernel and what the backward would need."""
+    spec: KernelSpec
+    sparse: tuple | None          # kv lists broadcast to [B, H, ...], Q_BLOCK, KV_BLOCK
+    score_traced: object          # the traced score_mod, or None
+    block_mask: BlockMask | None
+    score_buffers: tuple
+    mask_buffers: tuple
+    scale: float
+    kernel_options: dict | None
+
+
+def _prepare(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options) -> _Call:
+    """Check everything and decide the forward kernel."""
     _check_inputs(query, key, value, enable_gqa)
     device = query.device
     B, Hq, Q_LEN, D = query.shape
@@ -151,7 +167,7 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_op
     elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise expected("scale", "a float or None", type(scale).__name__, "pass a Python float")
 
-    score_traced = None if score_mod is None else trace(score_mod, "score_mod")
+    score_traced = None if score_mod is None else trace_cached(score_mod, "score_mod")
     score = None if score_traced is None else lower(score_traced)
     if score_traced is not None:
         _check_buffers(score_traced, device)
@@ -185,7 +201,63 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_op
                                  and torch.backends.cuda.matmul.allow_tf32) else "ieee",
     )
     score_buffers = () if score_traced is None else score_traced.buffers
-    return spec, (sparse, score_buffers, mask_buffers, scale)
+    return _Call(spec, sparse, score_traced, block_mask, score_buffers, mask_buffers, scale,
+                 kernel_options)
+
+
+def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options):
+    """Check everything and decide the kernel: (spec, launch inputs without outputs)."""
+    call = _prepare(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options)
+    return call.spec, (call.sparse, call.score_buffers, call.mask_buffers, call.scale)
+
+
+def _backward_plan(call: _Call, query, value, slots) -> backward.BackwardPlan:
+    """Derive and print the backward kernels' mods (GradientError here, before any launch)."""
+    sparse_q, sparse_kv = (call.block_mask.BLOCK_SIZE if call.block_mask is not None else (128, 128))
+    opts = _options(call.kernel_options, max(query.shape[-1], value.shape[-1]), query.device,
+                    sparse_q, sparse_kv, defaults=backward.default_options)
+    return backward.plan(call.spec, call.score_traced, call.block_mask, query,
+                         call.mask_buffers, call.scale, slots, opts)
+
+
+def _forward(call: _Call, query, key, value):
+    B, Hq, Q_LEN, _ = query.shape
+    out = torch.empty(B, Hq, Q_LEN, value.shape[-1], dtype=query.dtype, device=query.device)
+    lse = torch.empty(B, Hq, Q_LEN, dtype=torch.float32, device=query.device)
+    if POISON:
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+    launch.run(call.spec, query.device, query, key, value, out, lse, call.sparse,
+               call.score_buffers, call.mask_buffers, call.scale)
+    return out, lse
+
+
+class FlexAttentionFunction(torch.autograd.Function):
+    """flex_attention as an autograd Function: gradients for q, k, v and learned captured tensors.
+
+    Saves q, k, v, the output and the LSE; the backward kernels recompute the
+    probabilities from the LSE (``flexgen.backward``).
+    """
+
+    @staticmethod
+    def forward(ctx, query, key, value, call, bw, *score_buffers):
+        out, lse = _forward(call, query, key, value)
+        ctx.set_materialize_grads(False)    # an unused output's gradient stays None
+        ctx.call, ctx.bw = call, bw
+        ctx.save_for_backward(query, key, value, out, lse, *score_buffers)
+        return out, lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, grad_lse):
+        query, key, value, out, lse, *score_buffers = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        dq, dk, dv, buffer_grads = backward.run(
+            ctx.bw, query, key, value, out, lse, grad_out, grad_lse, tuple(score_buffers),
+            needs_kv=needs[1] or needs[2])
+        grads = [buffer_grads.get(i) if needs[5 + i] else None for i in range(len(score_buffers))]
+        return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
+                None, None, *grads)
 
 
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
@@ -200,25 +272,44 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     Returns ``out [B, Hq, Lq, Dv]`` in the query's dtype, and with ``return_lse``
     also the natural-log logsumexp ``[B, Hq, Lq]`` in float32 (-inf, and zero
     output, for a fully masked row). CPU tensors run through the Triton interpreter.
+
+    Differentiable: when grad is enabled and query, key, value or a floating
+    tensor the score_mod captures requires grad, the backward kernels give
+    their gradients (and the LSE's gradient flows too). The score_mod's
+    derivative is derived symbolically; a mod that cannot be differentiated
+    raises ``flexgen.backward.GradientError`` here, before anything runs.
     """
-    spec, (sparse, score_buffers, mask_buffers, scale) = _plan(
-        query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options)
-    B, Hq, Q_LEN, _ = query.shape
-    out = torch.empty(B, Hq, Q_LEN, value.shape[-1], dtype=query.dtype, device=query.device)
-    lse = torch.empty(B, Hq, Q_LEN, dtype=torch.float32, device=query.device)
-    if POISON:
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-    launch.run(spec, query.device, query, key, value, out, lse, sparse,
-               score_buffers, mask_buffers, scale)
+    call = _prepare(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options)
+    slots = backward.grad_slots(call.score_traced)
+    needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
+                                              or value.requires_grad or bool(slots))
+    if not needs_grad and use_decode_path(query, key, value):
+        # A few queries per sequence: the split-K decode kernel reads K/V once per
+        # GQA group and spreads long contexts over the GPU (flexgen.decode).
+        return decode_attention(query, key, value, score_mod=score_mod, block_mask=block_mask,
+                                scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
+                                q_offsets=0, kernel_options=kernel_options)
+    if needs_grad:
+        bw = _backward_plan(call, query, value, slots)
+        out, lse = FlexAttentionFunction.apply(query, key, value, call, bw, *call.score_buffers)
+    else:
+        out, lse = _forward(call, query, key, value)
     return (out, lse) if return_lse else out
 
 
 def kernel_source(query, key, value, score_mod=None, block_mask=None, scale=None,
-                  enable_gqa=False, kernel_options=None) -> str:
+                  enable_gqa=False, kernel_options=None, part="forward") -> str:
     """The generated module source ``flex_attention`` would run for these arguments.
 
-    Nothing is launched; the source is what the disk cache holds for the kernel.
+    ``part`` picks the kernel: "forward", or one of the backward pass's "dq"
+    and "dkdv" (the latter two scatter gradients into the score_mod's captured
+    tensors that require grad). Nothing is launched; the source is what the
+    disk cache holds for the kernel.
     """
-    spec, _ = _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options)
-    return source(spec)
+    if part not in ("forward", "dq", "dkdv"):
+        raise expected("part", '"forward", "dq" or "dkdv"', repr(part), "pick one of the three kernels")
+    call = _prepare(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options)
+    if part == "forward":
+        return source(call.spec)
+    bw = _backward_plan(call, query, value, backward.grad_slots(call.score_traced))
+    return source(bw.dq if part == "dq" else bw.dkdv)

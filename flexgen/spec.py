@@ -18,7 +18,9 @@ import triton
 from . import __version__
 from .codegen import Snippet
 
-TEMPLATE_VERSIONS = {"forward": 1, "block_mask": 1}
+TEMPLATE_VERSIONS = {"forward": 1, "block_mask": 1,
+                     "decode": 1, "decode_merge": 1, "paged_write": 1,
+                     "backward": 1}
 
 
 def pad_head_dim(d: int) -> int:

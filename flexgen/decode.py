@@ -1,0 +1,533 @@
+"""Attention for a handful of query tokens per sequence: decoding, contiguous or paged.
+
+``decode_attention`` computes the same ``softmax(mask(score_mod(q kᵀ · scale))) v``
+as ``flex_attention``, organised for 1 to 16 queries per sequence (it also
+takes any query length, which the paged cache uses for chunked prefill):
+
+- the query heads that share a KV head (GQA) form one tile of
+  ``group * q_tile`` rows (padded to >= 16, the smallest ``tl.dot``), so each
+  K/V byte is read once for all of them;
+- the keys of each sequence are split across programs (split-K, the number
+  of splits from the GPU's SM count, the batch and the length); each split
+  writes a normalized partial output and its LSE, and a second small kernel
+  (``decode_merge``) combines them;
+- K/V come from contiguous ``[B, Hkv, L, D]`` tensors or, with a page table,
+  from a paged cache ``[pages, page_size, Hkv, D]`` (``flexgen.paged``): the
+  kernel maps each logical key position to its page; mods only ever see
+  logical positions.
+
+Positions the mods see: ``kv_idx`` counts the tokens of the sequence;
+``q_idx`` is ``q_offsets[b] + i`` for query ``i``. By default the queries are
+the last tokens of the sequence (``q_offsets = kv_lengths - q_lengths``), as in
+decoding; ``flex_attention`` passes ``q_offsets=0`` (torch's convention:
+``q_idx`` is ``0 .. Lq-1`` and the block mask is built for ``(Lq, Lkv)``).
+
+A ``BlockMask`` is read with logical positions: the kv blocks listed for the
+query block of ``q_idx // Q_BLOCK`` are visited (its ``Q_LEN`` must exceed
+every query position, its ``KV_LEN`` cover every sequence). Inside visited
+blocks the mask_mod is applied element-wise (full blocks too: for a few
+queries that costs nothing next to reading K/V). ``mask_mod=`` without a
+block mask applies the mask element-wise to every key.
+"""
+from __future__ import annotations
+
+import math
+import os
+import weakref
+
+import torch
+
+from . import launch
+from .block_mask import BlockMask
+from .cache import source
+from .errors import InputError, expected
+from .lowering import lower
+from .spec import KernelSpec
+
+try:  # the memoized tracer of the hot path (plain trace where it is missing)
+    from .trace import trace_cached as _trace
+except ImportError:  # pragma: no cover
+    from .trace import trace as _trace
+
+DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+MAX_DECODE_QUERIES = 16          # use_decode_path's limit on queries per sequence
+CPU_SPLITS = 2                   # splits under the interpreter: small, but the merge always runs
+MIN_TILES_PER_SPLIT = 2          # a split reads at least this many BLOCK_N tiles
+MAX_SPLITS = 64
+OPTION_KEYS = {"BLOCK_N", "num_warps", "num_stages", "NUM_SPLITS"}
+# Options meant for the forward kernel or for torch's kernels: accepted, ignored here.
+IGNORED_OPTIONS = {"BLOCK_M", "PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS",
+                   "OUTPUT_LOGSUMEXP", "FORCE_USE_FLEX_ATTENTION", "WRITE_DQ", "BACKEND",
+                   "USE_TMA", "num_consumer_groups", "num_buffers_warp_spec"}
+
+
+def _poison() -> bool:
+    # Read per call (not at import) so a test can switch it on after importing flexgen.
+    return os.environ.get("FLEXGEN_POISON") == "1"
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def use_decode_path(query, key, value=None) -> bool:
+    """Whether ``flex_attention`` should hand this call to ``decode_attention``.
+
+    True for at most ``MAX_DECODE_QUERIES`` (16) query tokens per sequence when
+    no gradient is needed (decode_attention has no backward).
+    """
+    if not isinstance(query, torch.Tensor) or query.dim() != 4 or query.shape[2] > MAX_DECODE_QUERIES:
+        return False
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                       for t in (query, key, value)):
+        return False
+    return True
+
+
+# --- checks ----------------------------------------------------------------------------
+def _check_tensor(name, t, layout):
+    if not isinstance(t, torch.Tensor):
+        raise expected(name, f"a torch.Tensor {layout}", type(t).__name__, f"pass {name} as a tensor")
+    if t.dim() != 4:
+        raise expected(name, f"a 4-D tensor {layout}", f"shape {list(t.shape)}",
+                       f"reshape {name} to {layout}")
+    if t.dtype not in DTYPES:
+        raise expected(name, "dtype float16, bfloat16 or float32", t.dtype,
+                       f"convert with {name}.to(torch.bfloat16)")
+    if t.device.type not in ("cuda", "cpu"):
+        raise expected(name, "a CUDA or CPU tensor", t.device, "move it with .to('cuda') or .cpu()")
+    if not 16 <= t.shape[-1] <= 256:
+        raise expected(f"{name}.shape[-1] (head dim)", "a head dim from 16 to 256", t.shape[-1],
+                       "pad or split the head dim")
+    if t.stride(-1) != 1:
+        raise expected(name, "a tensor whose last dim is contiguous", f"strides {t.stride()}",
+                       f"pass {name}.contiguous()")
+
+
+def _host_ints(t, B):
+    """The B values of a CPU tensor / list / int, or None for a CUDA tensor (never read back: no sync)."""
+    if isinstance(t, torch.Tensor):
+        if t.device.type == "cuda":
+            return None
+        values = [int(x) for x in t.reshape(-1).tolist()]
+    elif isinstance(t, int):
+        values = [t]
+    else:
+        values = [int(x) for x in t]
+    return values * B if len(values) == 1 else values
+
+
+def _per_sequence(name, value, B, device, fix):
+    """``value`` (int, list of B ints, or an integer tensor [B]) as an int32 tensor [B] on ``device``."""
+    if isinstance(value, bool):
+        raise expected(name, "an int, a list of ints or an integer tensor [B]", repr(value), fix)
+    if isinstance(value, int):
+        return torch.full((B,), value, dtype=torch.int32, device=device)
+    if isinstance(value, torch.Tensor):
+        if value.dtype.is_floating_point or value.dtype == torch.bool or value.dim() > 1 \
+                or value.numel() not in (1, B):
+            raise expected(name, f"an integer tensor of shape [{B}]",
+                           f"dtype {value.dtype}, shape {list(value.shape)}", fix)
+        return value.to(device=device, dtype=torch.int32).reshape(-1).expand(B).contiguous()
+    try:
+        values = [int(x) for x in value]
+    except (TypeError, ValueError):
+        raise expected(name, f"an int, a list of {B} ints or an integer tensor [{B}]",
+                       type(value).__name__, fix) from None
+    if len(values) != B:
+        raise expected(name, f"{B} values (one per sequence)", len(values), fix)
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+# --- block masks ---------------------------------------------------------------------------
+_VISIT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _visit_lists(block_mask: BlockMask, group: int):
+    """(indices [B', H', NQ, NKV] int32, cumulative counts [B', H', NQ, NKV + 1] int32).
+
+    The kv blocks a query block visits (partial or full), in increasing order,
+    and the running count of them, from which the kernel reads both how many
+    listed blocks lie below a sequence's length and whether a block is listed.
+    A mask with one list per query head is combined over each GQA group (a
+    block is visited if any head of the group needs it; mask_mod then decides
+    per head). Computed once per mask and group size, O(number of blocks).
+    """
+    per_mask = _VISIT.setdefault(block_mask, {})
+    heads = block_mask.kv_num_blocks.shape[1]
+    key = group if heads > 1 else 1
+    hit = per_mask.get(key)
+    if hit is None:
+        visit = block_mask.block_states() != 0
+        mB, mH, nq, nkv = visit.shape
+        if mH > 1 and group > 1:
+            visit = visit.view(mB, mH // group, group, nq, nkv).any(2)
+        order = torch.sort((~visit).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
+        cum = torch.zeros(*visit.shape[:3], nkv + 1, dtype=torch.int32, device=visit.device)
+        cum[..., 1:] = visit.to(torch.int32).cumsum(-1)
+        hit = per_mask[key] = (order.contiguous(), cum)
+    return hit
+
+
+def _check_block_mask(block_mask, B, Hq, device):
+    if not isinstance(block_mask, BlockMask):
+        raise expected("block_mask", "a flexgen BlockMask (from flexgen.create_block_mask) or None",
+                       type(block_mask).__name__, "build it with flexgen.create_block_mask")
+    mB, mH = block_mask.kv_num_blocks.shape[:2]
+    if mB not in (1, B) or mH not in (1, Hq):
+        raise expected("block_mask", f"batch 1 or {B} and heads 1 or {Hq}", f"batch {mB}, heads {mH}",
+                       "create the mask with B and H of the query (or None to broadcast)")
+    if block_mask.device != device:
+        raise expected("block_mask", f"a mask on {device} like the query", block_mask.device,
+                       f"block_mask.to('{device}')")
+
+
+def _check_buffers(traced, device):
+    for i, t in enumerate(traced.buffers):
+        if t.device != device:
+            raise InputError(f"{traced.kind} '{traced.name}': captured tensor {i} (shape {list(t.shape)}) "
+                             f"is on {t.device}, expected {device} like the query. "
+                             f"Fix: move it with .to('{device}')")
+
+
+# --- launch configuration --------------------------------------------------------------------
+_SMS: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
+def choose_splits(device: torch.device, programs: int, kv_tiles: int) -> int:
+    """How many programs share one sequence's keys (split-K).
+
+    ``programs`` is the number of (batch, kv head, query tile) work items and
+    ``kv_tiles`` the longest sequence in BLOCK_N tiles. On a GPU: enough splits
+    for about two programs per SM, no split shorter than MIN_TILES_PER_SPLIT
+    tiles, at most MAX_SPLITS. Under the interpreter: CPU_SPLITS for up to 16
+    work items, else 1.
+    """
+    cap = max(1, min(MAX_SPLITS, kv_tiles // MIN_TILES_PER_SPLIT))
+    if device.type != "cuda":
+        # The interpreter runs programs one after another: splits only add work, except
+        # that they keep the merge path exercised on decode-sized calls.
+        return max(1, min(CPU_SPLITS if programs <= 16 else 1, kv_tiles))
+    want = -(-2 * _sm_count(device) // max(1, programs))
+    return max(1, min(want, cap))
+
+
+def _geometry(device, G, Lq, D, sparse_q):
+    """(q_tile, block_m, block_n, num_warps, num_stages) for a query tile of G heads."""
+    gp = _next_pow2(G)
+    if Lq <= MAX_DECODE_QUERIES:
+        q_tile = _next_pow2(Lq)
+    else:
+        q_tile = max(1, (64 if device.type == "cuda" and D > 128 else 128) // gp)
+    q_tile = min(q_tile, max(1, 128 // gp))
+    if sparse_q is not None:
+        q_tile = min(q_tile, sparse_q)
+    block_m = max(16, gp * q_tile)
+    if device.type != "cuda":
+        # The interpreter's cost is per operation: few, large tiles.
+        return q_tile, block_m, 64, 4, 1
+    block_n = 64 if D <= 128 else 32
+    warps = 8 if block_m >= 128 and D <= 128 else 4
+    stages = 3 if D <= 128 else 2
+    return q_tile, block_m, block_n, warps, stages
+
+
+def _options(kernel_options, opts: dict, sparse_kv) -> dict:
+    for k, v in (kernel_options or {}).items():
+        if k in IGNORED_OPTIONS:
+            continue
+        if k not in OPTION_KEYS:
+            raise expected("kernel_options", f"keys among {sorted(OPTION_KEYS)}", repr(k),
+                           "remove the key or fix its spelling")
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise expected(f"kernel_options[{k!r}]", "a positive int", repr(v), "pass an int")
+        opts[k] = v
+    if sparse_kv is not None:
+        opts["BLOCK_N"] = min(opts["BLOCK_N"], sparse_kv)
+    n = opts["BLOCK_N"]
+    if n < 16 or n & (n - 1) or (sparse_kv is not None and sparse_kv % n):
+        raise expected("kernel_options['BLOCK_N']", "a power of two >= 16"
+                       + (f" dividing the sparse block {sparse_kv}" if sparse_kv else ""), n,
+                       "use 64 (or 32 / 128)")
+    return opts
+
+
+_CONSTANTS: dict = {}
+
+
+def _constant(value: int, device) -> torch.Tensor:
+    """A cached one-element int32 tensor (the kernel broadcasts it with stride 0)."""
+    key = (value, str(device))
+    t = _CONSTANTS.get(key)
+    if t is None:
+        if len(_CONSTANTS) > 4096:
+            _CONSTANTS.clear()
+        t = _CONSTANTS[key] = torch.tensor([value], dtype=torch.int32, device=device)
+    return t
+
+
+def _lengths_arg(name, value, B, device, fix):
+    """``value`` as the kernel reads it: a cached constant, or an int32 tensor [B] (views kept)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return _constant(value, device)
+    if isinstance(value, torch.Tensor) and value.dtype == torch.int32 and value.dim() == 1 \
+            and value.shape[0] == B and value.device == device:
+        return value                   # already what the kernel reads: no copy, no launch
+    return _per_sequence(name, value, B, device, fix)
+
+
+_SPECS: dict = {}
+
+
+def kernel_spec(template: str, **fields) -> KernelSpec:
+    """The ``KernelSpec`` for these fields, one instance per distinct spec.
+
+    Reusing the instance keeps its cached key: hashing a new spec costs more
+    than the rest of a warm call.
+    """
+    memo = (template, *sorted(fields.items()))
+    spec = _SPECS.get(memo)
+    if spec is None:
+        if len(_SPECS) > 4096:
+            _SPECS.clear()
+        spec = _SPECS[memo] = KernelSpec(template, **fields)
+    return spec
+
+
+# --- the plan -----------------------------------------------------------------------------
+class _Plan:
+    """Everything one call needs: the two specs and the launch inputs (outputs aside)."""
+    __slots__ = ("spec", "merge_spec", "seq", "page_table", "visit", "score_buffers",
+                 "mask_buffers", "scale", "q_tile", "num_splits", "page_size", "sparse_q", "sparse_kv")
+
+
+def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kv_lengths, page_table,
+          mask_mod, q_offsets, q_lengths, num_splits, kernel_options, max_kv_len,
+          host_lengths=None) -> _Plan:
+    paged = page_table is not None
+    kv_layout = "[pages, page_size, Hkv, D] (a paged cache)" if paged else "[B, Hkv, L, D]"
+    _check_tensor("query", query, "[B, H, L, D]")
+    _check_tensor("key", key, kv_layout)
+    _check_tensor("value", value, kv_layout)
+    if not (query.dtype == key.dtype == value.dtype):
+        raise expected("key/value", f"the query's dtype {query.dtype}",
+                       f"key {key.dtype}, value {value.dtype}", "convert all three to one dtype")
+    device = query.device
+    if not (device == key.device == value.device):
+        raise expected("key/value", f"the query's device {device}",
+                       f"key on {key.device}, value on {value.device}", "move all three to one device")
+    B, Hq, Lq, D = query.shape
+    Dv = value.shape[-1]
+    if paged:
+        _, page_size, Hkv, Dk = key.shape
+        if value.shape[:3] != key.shape[:3]:
+            raise expected("value", f"a cache shaped like the key's {list(key.shape[:3])} + [Dv]",
+                           list(value.shape), "pass the value cache of the same PagedKVCache")
+        if not isinstance(page_table, torch.Tensor) or page_table.dim() != 2 \
+                or page_table.shape[0] != B or page_table.dtype not in (torch.int32, torch.int64):
+            got = (f"shape {list(page_table.shape)}, dtype {page_table.dtype}"
+                   if isinstance(page_table, torch.Tensor) else type(page_table).__name__)
+            raise expected("page_table", f"an int32 tensor [{B}, max_pages_per_seq]", got,
+                           "pass PagedKVCache.page_table rows for the batch")
+        if page_table.device != device:
+            raise expected("page_table", f"a tensor on {device}", page_table.device,
+                           f"page_table.to('{device}')")
+        page_table = page_table.to(torch.int32)
+        if page_table.stride(1) != 1:
+            page_table = page_table.contiguous()
+        if kv_lengths is None:
+            raise expected("kv_lengths", "the length of each cached sequence with a page_table", None,
+                           "pass kv_lengths (PagedKVCache.attention does it for you)")
+        capacity = page_table.shape[1] * page_size
+    else:
+        if key.shape[0] != B or value.shape[0] != B:
+            raise expected("key/value batch", f"batch {B} like query",
+                           f"{key.shape[0]} and {value.shape[0]}", "give query, key and value one batch size")
+        if key.shape[1:3] != value.shape[1:3]:
+            raise expected("value", f"the key's heads and length {tuple(key.shape[1:3])}",
+                           tuple(value.shape[1:3]), "key and value must come from the same positions")
+        _, Hkv, capacity, Dk = key.shape
+        page_size = 1
+    if Dk != D:
+        raise expected("key.shape[-1]", f"the query's head dim {D}", Dk,
+                       "query and key need the same head dim (value's may differ)")
+    if Hq != Hkv:
+        if not enable_gqa:
+            raise expected("enable_gqa", f"True when query has {Hq} heads and key/value {Hkv}",
+                           False, "pass enable_gqa=True, or repeat the key/value heads")
+        if Hq % Hkv:
+            raise expected("query heads", f"a multiple of the key/value heads ({Hkv})", Hq,
+                           "use a head count divisible by the number of key/value heads")
+    G = Hq // Hkv
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise expected("scale", "a float or None", type(scale).__name__, "pass a Python float")
+
+    # Per-sequence lengths and query positions, as the kernel reads them (no work per call
+    # when they are ints or int32 tensors already on the device).
+    fix_len = "pass one length per sequence (ints, a list or an int32 tensor [B])"
+    kv = _lengths_arg("kv_lengths", capacity if kv_lengths is None else kv_lengths, B, device, fix_len)
+    ql = _lengths_arg("q_lengths", Lq if q_lengths is None else q_lengths, B, device, fix_len)
+    qs = None if q_offsets is None else _lengths_arg("q_offsets", q_offsets, B, device, fix_len)
+    seq = (kv, qs, ql)
+    host_kv = [capacity] * B if kv_lengths is None else _host_ints(kv_lengths, B)
+    host_ql = [Lq] * B if q_lengths is None else _host_ints(q_lengths, B)
+    if q_offsets is not None:
+        host_qs = _host_ints(q_offsets, B)
+    elif host_kv is not None and host_ql is not None:
+        host_qs = [k - q for k, q in zip(host_kv, host_ql)]
+    else:
+        host_qs = None
+    if host_lengths is not None:
+        # The caller (PagedKVCache) knows the lengths on the host: check them without a sync.
+        host_kv, host_ql = host_lengths
+        host_qs = [k - q for k, q in zip(host_kv, host_ql)] if q_offsets is None else host_qs
+    if host_kv is not None and (min(host_kv) < 0 or max(host_kv) > capacity):
+        raise expected("kv_lengths", f"lengths from 0 to {capacity} (the "
+                       + ("page table's capacity" if paged else "key's length") + ")",
+                       f"{min(host_kv)} .. {max(host_kv)}", "clip the lengths or give a longer cache")
+    if host_ql is not None and (min(host_ql) < 0 or max(host_ql) > Lq):
+        raise expected("q_lengths", f"counts from 0 to {Lq} (the query's length)",
+                       f"{min(host_ql)} .. {max(host_ql)}", "pad the query to the longest count")
+    if max_kv_len is None:
+        max_kv_len = max(host_kv) if host_kv is not None else capacity
+
+    score_traced = None if score_mod is None else _trace(score_mod, "score_mod")
+    score = None if score_traced is None else lower(score_traced)
+    if score_traced is not None:
+        _check_buffers(score_traced, device)
+
+    mask, mask_traced, visit, sparse_q, sparse_kv = None, None, None, None, None
+    if block_mask is not None:
+        if mask_mod is not None:
+            raise expected("mask_mod", "None when a block_mask is given (its mask_mod is used)",
+                           getattr(mask_mod, "__name__", mask_mod), "pass only one of them")
+        _check_block_mask(block_mask, B, Hq, device)
+        sparse_q, sparse_kv = block_mask.BLOCK_SIZE
+        mQ, mKV = block_mask.seq_lengths
+        if host_kv is not None and max(host_kv) > mKV:
+            raise expected("block_mask", f"a mask whose KV_LEN covers the longest sequence ({max(host_kv)})",
+                           f"KV_LEN={mKV}", "build the mask for the cache's logical length")
+        q_end = None if host_qs is None or host_ql is None else max(
+            s + q for s, q in zip(host_qs, host_ql))
+        if q_end is not None and q_end > mQ:
+            raise expected("block_mask", "a mask whose Q_LEN exceeds every query position "
+                           f"(q_idx runs up to {q_end - 1})", f"Q_LEN={mQ}",
+                           "build the mask for the cache's logical length (PagedKVCache.block_mask)")
+        mask_traced = block_mask.traced()
+        idx, cum = _visit_lists(block_mask, G)
+        # [B, Hkv, ...] views: a broadcast batch or head gets stride 0.
+        visit = (idx.expand(B, Hkv, *idx.shape[2:]), cum.expand(B, Hkv, *cum.shape[2:]))
+    elif mask_mod is not None:
+        mask_traced = _trace(mask_mod, "mask_mod")
+    if mask_traced is not None:
+        _check_buffers(mask_traced, device)
+        mask = lower(mask_traced)
+
+    q_tile, block_m, block_n, warps, stages = _geometry(device, G, Lq, max(D, Dv), sparse_q)
+    opts = _options(kernel_options, dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages),
+                    sparse_kv)
+    if num_splits is None:
+        num_splits = opts.get("NUM_SPLITS")
+    if num_splits is None:
+        programs = B * Hkv * -(-Lq // q_tile)
+        num_splits = choose_splits(device, programs, -(-max(1, max_kv_len) // opts["BLOCK_N"]))
+    elif not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
+        raise expected("num_splits", "a positive int or None (automatic)", repr(num_splits), "pass an int")
+
+    plan = _Plan()
+    plan.spec = kernel_spec(
+        "decode",
+        score=None if score is None else score.snippet,
+        mask=None if mask is None or mask.is_true else mask.snippet,
+        score_buffers=() if score is None else score.buffers,
+        mask_buffers=() if mask is None else mask.buffers,
+        qk_head=D, v_head=Dv, dtype=DTYPES[query.dtype],
+        has_block_mask=block_mask is not None,
+        block_m=block_m, block_n=opts["BLOCK_N"],
+        num_warps=opts["num_warps"], num_stages=opts["num_stages"],
+        dot_precision="tf32" if (query.dtype == torch.float32 and device.type == "cuda"
+                                 and torch.backends.cuda.matmul.allow_tf32) else "ieee",
+    )
+    plan.merge_spec = None if num_splits == 1 else kernel_spec(
+        "decode_merge", v_head=Dv, dtype=DTYPES[query.dtype],
+        block_m=64 if device.type != "cuda" else 16, num_warps=4)
+    plan.seq, plan.page_table, plan.visit = seq, page_table, visit
+    plan.score_buffers = () if score_traced is None else score_traced.buffers
+    plan.mask_buffers = () if mask_traced is None else mask_traced.buffers
+    plan.scale, plan.q_tile, plan.num_splits, plan.page_size = scale, q_tile, num_splits, page_size
+    plan.sparse_q = sparse_q or 16
+    plan.sparse_kv = sparse_kv or opts["BLOCK_N"]
+    return plan
+
+
+def decode_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
+                     enable_gqa=False, return_lse=False, kv_lengths=None, page_table=None, *,
+                     mask_mod=None, q_offsets=None, q_lengths=None, num_splits=None,
+                     kernel_options=None, max_kv_len=None, _host_lengths=None):
+    """Attention of a few query tokens per sequence against a (possibly paged) KV cache.
+
+    query ``[B, Hq, Lq, D]`` (Lq from 1 to 16 is the decode case; any Lq works).
+    Contiguous: key ``[B, Hkv, L, D]``, value ``[B, Hkv, L, Dv]``. Paged (with
+    ``page_table`` ``[B, max_pages]`` int32 of physical page ids): key / value
+    are caches ``[pages, page_size, Hkv, D]``, logical position ``n`` of
+    sequence ``b`` is slot ``n % page_size`` of page ``page_table[b, n // page_size]``.
+
+    ``kv_lengths`` ``[B]``: keys per sequence (default: all ``L``; required
+    when paged). ``q_lengths`` ``[B]``: valid queries per sequence (default
+    ``Lq``; the rows after them get zeros and LSE = -inf). ``q_offsets``
+    ``[B]`` (or an int): ``q_idx`` of query 0 (default ``kv_lengths -
+    q_lengths``: the queries are the sequence's last tokens). Lengths may be
+    ints, lists or integer tensors; CUDA tensors are not read back (no sync),
+    so their values are not checked.
+
+    ``score_mod(score, b, h, q_idx, kv_idx)`` and the mask (``block_mask`` for
+    logical positions, or ``mask_mod`` applied element-wise) work as in
+    ``flex_attention``; ``h`` is the query head, ``b`` the batch row. Hq must
+    be a multiple of Hkv with ``enable_gqa=True``. ``num_splits`` overrides the
+    split-K count. ``max_kv_len`` is a host-side upper bound on the lengths
+    (only used to choose the split count when the lengths live on the GPU).
+
+    Returns ``out [B, Hq, Lq, Dv]`` in the query's dtype, with ``return_lse``
+    also the natural-log LSE ``[B, Hq, Lq]`` float32 (-inf and zeros for a
+    query that sees no key). Forward only: no autograd.
+    """
+    plan = _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kv_lengths, page_table,
+                 mask_mod, q_offsets, q_lengths, num_splits, kernel_options, max_kv_len, _host_lengths)
+    B, Hq, Lq, _ = query.shape
+    Dv = value.shape[-1]
+    device = query.device
+    out = torch.empty(B, Hq, Lq, Dv, dtype=query.dtype, device=device)
+    lse = torch.empty(B, Hq, Lq, dtype=torch.float32, device=device)
+    S = plan.num_splits
+    o_part = l_part = None
+    if S > 1:
+        o_part = torch.empty(B, Hq, Lq, S, Dv, dtype=torch.float32, device=device)
+        l_part = torch.empty(B, Hq, Lq, S, dtype=torch.float32, device=device)
+    if _poison():
+        for t in (out, lse, o_part, l_part):
+            if t is not None:
+                t.fill_(float("nan"))
+    launch.run(plan.spec, device, query, key, value, out, lse, o_part, l_part, plan.seq,
+               plan.page_table, plan.visit, plan.score_buffers, plan.mask_buffers, plan.scale,
+               plan.q_tile, S, plan.page_size, plan.sparse_q, plan.sparse_kv)
+    if S > 1:
+        launch.run(plan.merge_spec, device, o_part, l_part, out, lse)
+    return (out, lse) if return_lse else out
+
+
+def decode_kernel_source(query, key, value, score_mod=None, block_mask=None, scale=None,
+                         enable_gqa=False, kv_lengths=None, page_table=None, *, mask_mod=None,
+                         q_offsets=None, q_lengths=None, kernel_options=None) -> str:
+    """The generated module source ``decode_attention`` would run for these arguments (nothing is launched)."""
+    plan = _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kv_lengths, page_table,
+                 mask_mod, q_offsets, q_lengths, None, kernel_options, None)
+    return source(plan.spec)

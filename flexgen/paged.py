@@ -1,0 +1,334 @@
+"""A paged KV cache: fixed-size pages shared by many sequences of different lengths.
+
+``PagedKVCache`` owns two caches ``k_cache`` / ``v_cache`` ``[num_pages,
+page_size, Hkv, D]``, a page table ``[max_batch, max_pages_per_seq]`` int32
+(row ``s``: the physical pages of the sequence in slot ``s``, in logical
+order) and the length of each sequence. Pages are handed out as sequences
+grow and returned when they finish, so memory follows the tokens actually
+cached, not ``max_batch * max_len``::
+
+    cache = PagedKVCache(num_pages=512, page_size=64, num_kv_heads=8, head_dim=128,
+                         max_batch=32, max_pages_per_seq=64, dtype=torch.bfloat16, device="cuda")
+    slots = [cache.add_sequence() for _ in prompts]
+    cache.append(slots, k_prompt, v_prompt, counts=prompt_lengths)   # prefill (padded batch)
+    out = cache.attention(q_prompt, slots, mask_mod=causal_mask, q_lengths=prompt_lengths)
+    ...
+    cache.append(slots, k_tok, v_tok)                                # one token each
+    out = cache.attention(q_tok, slots, score_mod=softcap)
+    cache.free(slots[0])                                             # its pages are reused
+
+Mods see logical positions: ``kv_idx`` counts the tokens of the sequence and
+the queries passed to ``attention`` are its last tokens (``q_idx =
+length - q_len + i``). The kernel (``flexgen.decode``) maps each logical key
+position to its page itself.
+
+Block masks are used directly with logical block indices, not converted to
+physical ones: build one over the cache's logical length (``block_mask``
+below, ``Q_LEN = KV_LEN = max_pages_per_seq * page_size``); the kernel reads
+the kv blocks listed for ``q_idx // Q_BLOCK`` and translates each key of a
+visited block through the page table. So one mask serves every step and
+every page layout (no per-step conversion when pages are allocated, freed or
+shuffled), and the mask's block size need not match the page size.
+
+Bookkeeping (which pages a sequence owns, lengths) is mirrored on the host,
+so appending and attending never read values back from the GPU; the page
+table on the device is updated only when a sequence needs a new page.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import launch
+from .block_mask import create_block_mask
+from .decode import DTYPES, decode_attention, kernel_spec
+from .errors import InputError, expected
+
+
+class CacheFullError(InputError):
+    """The paged KV cache has no free page (or sequence slot) for a request."""
+
+
+def _positive(name, value, fix):
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise expected(name, "a positive int", repr(value), fix)
+    return value
+
+
+class PagedKVCache:
+    """Keys and values of up to ``max_batch`` sequences in ``num_pages`` pages of ``page_size`` tokens.
+
+    ``k_cache`` ``[num_pages, page_size, num_kv_heads, head_dim]`` and
+    ``v_cache`` (head dim ``v_head_dim``, default ``head_dim``) hold the
+    tokens; ``page_table`` ``[max_batch, max_pages_per_seq]`` int32 maps
+    (slot, logical page) to a physical page; ``lengths`` ``[max_batch]`` int32
+    (on ``device``) is each slot's number of cached tokens. A sequence holds at
+    most ``max_pages_per_seq * page_size`` tokens (``max_seq_len``).
+    """
+
+    def __init__(self, num_pages, page_size, num_kv_heads, head_dim, max_batch, max_pages_per_seq,
+                 dtype=torch.bfloat16, device=None, v_head_dim=None):
+        self.num_pages = _positive("num_pages", num_pages, "pass the number of pages to allocate")
+        self.page_size = _positive("page_size", page_size, "pass the tokens per page, e.g. 64")
+        self.num_kv_heads = _positive("num_kv_heads", num_kv_heads, "pass the model's key/value heads")
+        self.head_dim = _positive("head_dim", head_dim, "pass the model's head dim")
+        self.v_head_dim = head_dim if v_head_dim is None else _positive(
+            "v_head_dim", v_head_dim, "pass the value head dim, or None for head_dim")
+        self.max_batch = _positive("max_batch", max_batch, "pass the most sequences cached at once")
+        self.max_pages_per_seq = _positive("max_pages_per_seq", max_pages_per_seq,
+                                           "pass the most pages one sequence may use")
+        for name, d in (("head_dim", self.head_dim), ("v_head_dim", self.v_head_dim)):
+            if not 16 <= d <= 256:
+                raise expected(name, "a head dim from 16 to 256", d, "pad or split the head dim")
+        if dtype not in DTYPES:
+            raise expected("dtype", "torch.float16, torch.bfloat16 or torch.float32", dtype,
+                           "pick one of those")
+        device = torch.device(device if device is not None else
+                              ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype, self.device = dtype, device
+        self.k_cache = torch.zeros(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(num_pages, page_size, num_kv_heads, self.v_head_dim,
+                                   dtype=dtype, device=device)
+        # Unused entries point at page 0: a stray read stays inside the cache.
+        self.page_table = torch.zeros(max_batch, max_pages_per_seq, dtype=torch.int32, device=device)
+        self.lengths = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        # Host mirror: no GPU read-back is ever needed for bookkeeping.
+        self._lengths = [0] * max_batch
+        self._pages = [[] for _ in range(max_batch)]
+        self._active = [False] * max_batch
+        self._free_pages = list(range(num_pages - 1, -1, -1))     # a stack: lowest ids first
+        self._tensors: dict = {}                                  # small cached index tensors
+
+    # --- bookkeeping ------------------------------------------------------------------
+    @property
+    def max_seq_len(self) -> int:
+        """The most tokens one sequence can hold (``max_pages_per_seq * page_size``)."""
+        return self.max_pages_per_seq * self.page_size
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages not held by any sequence."""
+        return len(self._free_pages)
+
+    def length(self, slot: int) -> int:
+        """Tokens cached for the sequence in ``slot``."""
+        return self._lengths[self._check_slot(slot)]
+
+    def pages(self, slot: int) -> list:
+        """The physical pages of ``slot``'s sequence, in logical order."""
+        return list(self._pages[self._check_slot(slot)])
+
+    def add_sequence(self) -> int:
+        """Claim a free slot for a new, empty sequence and return it."""
+        for slot, active in enumerate(self._active):
+            if not active:
+                self._active[slot] = True
+                return slot
+        raise CacheFullError(f"add_sequence: expected a free sequence slot, got all {self.max_batch} "
+                             "in use. Fix: free finished sequences with cache.free(slot), or create "
+                             "the cache with a larger max_batch")
+
+    def free(self, slot: int) -> None:
+        """End the sequence in ``slot``: its pages go back to the pool, the slot to the free slots."""
+        slot = self._check_slot(slot)
+        self._free_pages.extend(reversed(self._pages[slot]))
+        self._pages[slot] = []
+        self._lengths[slot] = 0
+        self._active[slot] = False
+        self.lengths[slot] = 0
+
+    def _check_slot(self, slot) -> int:
+        if isinstance(slot, torch.Tensor) and slot.dim() == 0:
+            slot = int(slot)
+        if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < self.max_batch:
+            raise expected("slot", f"a sequence slot from 0 to {self.max_batch - 1}", repr(slot),
+                           "use a slot returned by cache.add_sequence()")
+        if not self._active[slot]:
+            raise expected("slot", "a slot holding a sequence", f"slot {slot}, which is free",
+                           "call cache.add_sequence() first")
+        return slot
+
+    def _slots(self, slots) -> list:
+        if isinstance(slots, torch.Tensor):
+            slots = slots.reshape(-1).tolist()
+        elif isinstance(slots, int):
+            slots = [slots]
+        slots = [self._check_slot(s) for s in slots]
+        if len(set(slots)) != len(slots):
+            raise expected("slots", "distinct sequence slots", slots, "list each sequence once")
+        return slots
+
+    def reserve(self, slots, new_lengths) -> None:
+        """Make sure each sequence of ``slots`` has pages for ``new_lengths`` tokens.
+
+        All or nothing: when the pool cannot cover every request, nothing is
+        allocated and ``CacheFullError`` is raised.
+        """
+        slots = self._slots(slots)
+        new_lengths = [int(n) for n in new_lengths]
+        need = []
+        for slot, n in zip(slots, new_lengths):
+            if n > self.max_seq_len:
+                raise CacheFullError(
+                    f"reserve: expected at most {self.max_seq_len} tokens per sequence "
+                    f"(max_pages_per_seq={self.max_pages_per_seq} x page_size={self.page_size}), got "
+                    f"{n} for slot {slot}. Fix: create the cache with a larger max_pages_per_seq")
+            need.append(max(0, -(-n // self.page_size) - len(self._pages[slot])))
+        total = sum(need)
+        if total > len(self._free_pages):
+            raise CacheFullError(
+                f"reserve: expected at most {len(self._free_pages)} free pages to be needed, got a "
+                f"request for {total} (of {self.num_pages}). Fix: free finished sequences with "
+                "cache.free(slot), or create the cache with more num_pages")
+        rows, cols, pages = [], [], []
+        for slot, count in zip(slots, need):
+            for _ in range(count):
+                page = self._free_pages.pop()
+                rows.append(slot)
+                cols.append(len(self._pages[slot]))
+                pages.append(page)
+                self._pages[slot].append(page)
+        if pages:
+            index = torch.tensor([rows, cols, pages], dtype=torch.int64).to(self.device)
+            self.page_table[index[0], index[1]] = index[2].to(torch.int32)
+
+    def _index(self, name, values):
+        """A small cached device tensor of int32 ``values`` (no per-step allocation or copy)."""
+        key = (name, tuple(values))
+        t = self._tensors.get(key)
+        if t is None:
+            if len(self._tensors) > 256:
+                self._tensors.clear()
+            t = self._tensors[key] = torch.tensor(values, dtype=torch.int32, device=self.device)
+        return t
+
+    def _rows(self, slots):
+        """(page table rows, device lengths) of ``slots``: views when they are 0 .. B-1."""
+        if slots == list(range(len(slots))):
+            n = len(slots)
+            return self.page_table[:n], self.lengths[:n]
+        index = self._index("slots", slots).long()
+        return self.page_table[index], self.lengths[index]
+
+    # --- writing ----------------------------------------------------------------------
+    def append(self, slots, key, value, counts=None) -> None:
+        """Append new keys / values to the sequences of ``slots`` (prefill chunks or single tokens).
+
+        key ``[B, Hkv, L, D]``, value ``[B, Hkv, L, Dv]`` (the layout ``flex_attention``
+        takes), one row per slot; row ``b`` adds its first ``counts[b]`` tokens
+        (default all ``L``; the rest is padding) at positions ``length .. length
+        + counts[b] - 1``. Pages are reserved first (all or nothing,
+        ``CacheFullError`` when the pool is short); one Triton kernel writes them
+        (inputs of another dtype are converted to the cache's first).
+        """
+        slots = self._slots(slots)
+        B = len(slots)
+        for name, t, d in (("key", key, self.head_dim), ("value", value, self.v_head_dim)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[0] != B \
+                    or t.shape[1] != self.num_kv_heads or t.shape[3] != d:
+                got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise expected(name, f"a tensor [{B}, {self.num_kv_heads}, L, {d}] (one row per slot)",
+                               got, "pass new keys / values as [batch, kv heads, tokens, head dim]")
+            if t.device != self.device:
+                raise expected(name, f"a tensor on {self.device} like the cache", t.device,
+                               f"{name}.to('{self.device}')")
+            if t.dtype not in DTYPES:
+                raise expected(name, "a float16, bfloat16 or float32 tensor", t.dtype,
+                               f"convert it with .to({self.dtype})")
+        if key.shape[2] != value.shape[2]:
+            raise expected("value", f"{key.shape[2]} tokens like the key", value.shape[2],
+                           "append keys and values of the same tokens")
+        L = key.shape[2]
+        if counts is None:
+            counts = [L] * B
+        else:
+            if isinstance(counts, torch.Tensor):
+                counts = counts.reshape(-1).tolist()
+            counts = [int(c) for c in counts]
+            if len(counts) != B or min(counts) < 0 or max(counts) > L:
+                raise expected("counts", f"{B} counts from 0 to {L}", counts,
+                               "give each row's number of valid new tokens")
+        self.reserve(slots, [self._lengths[s] + c for s, c in zip(slots, counts)])
+        if L and max(counts):
+            # Convert in torch (round to nearest even) so the cached values are the same on
+            # every backend (the interpreter's float32 -> bfloat16 conversion truncates); the
+            # kernel then only copies.
+            key, value = (t.to(self.dtype) if t.dtype != self.dtype else t for t in (key, value))
+            if key.stride(-1) != 1:
+                key = key.contiguous()
+            if value.stride(-1) != 1:
+                value = value.contiguous()
+            spec = kernel_spec("paged_write", qk_head=self.head_dim, v_head=self.v_head_dim,
+                              dtype=DTYPES[self.dtype],
+                              block_m=64 if self.device.type != "cuda" else 32, num_warps=4)
+            launch.run(spec, self.device, key, value, self.k_cache, self.v_cache, self.page_table,
+                       self._index("slots", slots), self.lengths, self._index("counts", counts))
+        for s, c in zip(slots, counts):
+            self._lengths[s] += c
+        if slots == list(range(B)) and len(set(counts)) == 1:
+            self.lengths[:B] += counts[0]
+        else:
+            index = self._index("slots", slots).long()
+            self.lengths[index] += self._index("counts", counts)
+
+    # --- reading ----------------------------------------------------------------------
+    def attention(self, query, slots, score_mod=None, mask_mod=None, block_mask=None, scale=None,
+                  return_lse=False, q_lengths=None, num_splits=None, kernel_options=None):
+        """Attention of each sequence's newest tokens against everything it has cached.
+
+        query ``[B, Hq, Lq, D]`` (Hq a multiple of the cache's kv heads), one row
+        per slot: the queries of the last ``Lq`` tokens appended (or of the last
+        ``q_lengths[b]``, the rest of the row being padding), so ``q_idx =
+        length - q_len + i`` and ``kv_idx`` runs over the sequence's tokens.
+        ``mask_mod`` is applied element-wise; a ``block_mask`` built over the
+        logical positions (see ``block_mask``) also skips blocks. Any Lq works:
+        a prefill chunk attends to the cached prefix and to itself (pass a
+        causal mask). Returns ``out [B, Hq, Lq, Dv]`` (and the LSE ``[B, Hq, Lq]``).
+        """
+        slots = self._slots(slots)
+        B = len(slots)
+        if not isinstance(query, torch.Tensor) or query.dim() != 4 or query.shape[0] != B:
+            got = list(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
+            raise expected("query", f"a tensor [{B}, Hq, Lq, D] (one row per slot)", got,
+                           "pass queries as [batch, heads, tokens, head dim]")
+        Lq = query.shape[2]
+        lengths = [self._lengths[s] for s in slots]
+        if q_lengths is None:
+            q_counts = [Lq] * B
+        else:
+            q_counts = [int(c) for c in (q_lengths.reshape(-1).tolist()
+                                         if isinstance(q_lengths, torch.Tensor) else q_lengths)]
+            if len(q_counts) != B or min(q_counts) < 0 or max(q_counts) > Lq:
+                raise expected("q_lengths", f"{B} counts from 0 to {Lq}", q_counts,
+                               "give each row's number of valid query tokens")
+        short = [s for s, n, q in zip(slots, lengths, q_counts) if q > n]
+        if short:
+            raise expected("query", "no more query tokens than the sequence has cached",
+                           f"slot {short[0]} holds {self._lengths[short[0]]} tokens",
+                           "append the new tokens' keys and values before attending")
+        table, kv_lengths = self._rows(slots)
+        q_arg = None if q_lengths is None else self._index("counts", q_counts)
+        return decode_attention(query, self.k_cache, self.v_cache, score_mod=score_mod,
+                                block_mask=block_mask, scale=scale, enable_gqa=True,
+                                return_lse=return_lse, kv_lengths=kv_lengths, page_table=table,
+                                mask_mod=mask_mod, q_lengths=q_arg, num_splits=num_splits,
+                                kernel_options=kernel_options, max_kv_len=max(lengths, default=0),
+                                _host_lengths=(lengths, q_counts))
+
+    def block_mask(self, mask_mod, B=None, H=None, BLOCK_SIZE=128):
+        """A ``BlockMask`` of ``mask_mod`` over the cache's logical positions.
+
+        ``Q_LEN = KV_LEN = max_seq_len``; build it once and pass it to every
+        ``attention`` call (``b`` is the batch row of that call, ``h`` the query
+        head; None broadcasts).
+        """
+        return create_block_mask(mask_mod, B, H, self.max_seq_len, self.max_seq_len,
+                                 device=self.device, BLOCK_SIZE=BLOCK_SIZE)
+
+    def gather(self, slot):
+        """The cached (keys ``[Hkv, length, D]``, values ``[Hkv, length, Dv]``) of ``slot``, contiguous."""
+        slot = self._check_slot(slot)
+        n = self._lengths[slot]
+        pages = torch.tensor(self._pages[slot], dtype=torch.long, device=self.device)
+        k = self.k_cache[pages].reshape(-1, self.num_kv_heads, self.head_dim)[:n]
+        v = self.v_cache[pages].reshape(-1, self.num_kv_heads, self.v_head_dim)[:n]
+        return k.permute(1, 0, 2).contiguous(), v.permute(1, 0, 2).contiguous()

@@ -1,0 +1,277 @@
+"""flexgen.decode.decode_attention on contiguous K/V, against the float64 oracle.
+
+Runs on CPU through the Triton interpreter. Every output is poisoned with
+NaN before the launch (FLEXGEN_POISON=1, partial split buffers included), and
+every element is compared: rows past a sequence's valid queries must be
+exact zeros with LSE = -inf. The oracle is ``flex_attention_reference`` run
+per sequence on that sequence's keys, with the mods shifted so that they see
+the same positions as the kernel (``q_idx = q_offset + i``, ``b`` the batch
+row). The last test compiles every kernel these tests launched for sm_90.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("FLEXGEN_POISON", "1")  # before flexgen is imported, if it is not yet
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from flexgen import aot, cache, create_block_mask, launch  # noqa: E402
+from flexgen.decode import decode_attention, decode_kernel_source, use_decode_path  # noqa: E402
+from flexgen.errors import FlexgenError, InputError  # noqa: E402
+from flexgen.mods import alibi, causal_mask, sliding_window, tanh_softcap  # noqa: E402
+from flexgen.reference import flex_attention_reference  # noqa: E402
+
+LAUNCHES: list = []          # (spec, args, constexprs) of every launch in this module
+
+
+@pytest.fixture(autouse=True)
+def poison_and_record(monkeypatch):
+    """Poison outputs; record every launch with its constexprs for the sm_90 compile test.
+
+    (conftest's per-test AOT check, when there, keys kernels by spec and argument
+    types; the last test here also covers each constexpr variant: paged or not,
+    one split or a merge, query tile sizes.)
+    """
+    monkeypatch.setenv("FLEXGEN_POISON", "1")
+    run = launch.run
+
+    def recording_run(spec, device, *inputs):
+        run(spec, device, *inputs)
+        module = cache.load(spec, interpret=launch.uses_interpreter(device))
+        LAUNCHES.append((spec, *module.arguments(*inputs)[1:]))
+
+    monkeypatch.setattr(launch, "run", recording_run)
+    yield
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def inputs(B, Hq, Hkv, Lq, L, D=32, Dv=None, dtype=torch.float32, seed=0):
+    g = gen(seed)
+    q = torch.randn(B, Hq, Lq, D, generator=g).to(dtype)
+    k = torch.randn(B, Hkv, L, D, generator=g).to(dtype)
+    v = torch.randn(B, Hkv, L, Dv or D, generator=g).to(dtype)
+    return q, k, v
+
+
+def shifted(mod, b0, q0, kind):
+    """``mod`` seen from one sequence: batch row ``b0``, query positions from ``q0``."""
+    if mod is None:
+        return None
+    if kind == "score":
+        return lambda s, b, h, q, kv: mod(s, b + b0, h, q + q0, kv)
+    return lambda b, h, q, kv: mod(b + b0, h, q + q0, kv)
+
+
+def reference(q, k, v, score_mod=None, mask_mod=None, kv_lengths=None, q_offsets=None,
+              q_lengths=None, scale=None):
+    """(out, lse) in float64, sequence by sequence, rows past q_lengths zero / -inf."""
+    B, Hq, Lq, _ = q.shape
+    L = k.shape[2]
+    out = torch.zeros(B, Hq, Lq, v.shape[-1], dtype=torch.float64)
+    lse = torch.full((B, Hq, Lq), -math.inf, dtype=torch.float64)
+    for b in range(B):
+        n = L if kv_lengths is None else int(kv_lengths[b])
+        ql = Lq if q_lengths is None else int(q_lengths[b])
+        q0 = (n - ql) if q_offsets is None else int(q_offsets[b] if not isinstance(q_offsets, int) else q_offsets)
+        if ql == 0:
+            continue
+        if n == 0:                 # no key at all: the reference cannot take an empty key
+            continue
+        o, l_ = flex_attention_reference(
+            q[b:b + 1, :, :ql], k[b:b + 1, :, :n], v[b:b + 1, :, :n],
+            score_mod=shifted(score_mod, b, q0, "score"), mask_mod=shifted(mask_mod, b, q0, "mask"),
+            scale=scale, enable_gqa=True, return_lse=True, dtype=torch.float64)
+        out[b, :, :ql], lse[b, :, :ql] = o[0], l_[0]
+    return out, lse
+
+
+def assert_matches(got, want, tol):
+    out, lse = got
+    want_out, want_lse = want
+    assert not out.isnan().any() and not lse.isnan().any(), "an element was never written"
+    torch.testing.assert_close(out.double(), want_out, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-4, atol=1e-4)
+
+
+# --- GQA decode -------------------------------------------------------------------------
+GQA_CASES = [
+    # (group, q_len, score_mod, mask_mod)
+    (1, 1, None, None),
+    (1, 5, tanh_softcap(2.0), causal_mask),
+    (4, 1, alibi(8), None),
+    (4, 3, None, sliding_window(40)),
+    (4, 16, tanh_softcap(3.0), causal_mask),
+    (8, 1, None, causal_mask),
+    (8, 2, alibi(16), sliding_window(50)),
+    (8, 16, None, sliding_window(33)),
+]
+
+
+@pytest.mark.parametrize("group,q_len,score_mod,mask_mod", GQA_CASES,
+                         ids=[f"gqa{g}-q{q}-{getattr(s, '__name__', 'none')}-{getattr(m, '__name__', 'none')}"
+                              for g, q, s, m in GQA_CASES])
+def test_gqa_decode_mixed_lengths(group, q_len, score_mod, mask_mod):
+    Hkv = 2
+    q, k, v = inputs(3, Hkv * group, Hkv, q_len, 190, seed=group * 100 + q_len)
+    lengths = [190, 77, q_len + 3]
+    got = decode_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, enable_gqa=True,
+                           return_lse=True, kv_lengths=torch.tensor(lengths, dtype=torch.int32))
+    assert got[0].shape == (3, Hkv * group, q_len, 32) and got[0].dtype == torch.float32
+    assert_matches(got, reference(q, k, v, score_mod, mask_mod, kv_lengths=lengths), 1e-5)
+
+
+def test_default_positions_are_the_last_tokens():
+    """Without lengths the queries are the last Lq of L keys: q_idx = L - Lq + i."""
+    q, k, v = inputs(2, 4, 2, 4, 100, seed=1)
+    got = decode_attention(q, k, v, mask_mod=causal_mask, enable_gqa=True, return_lse=True)
+    assert_matches(got, reference(q, k, v, None, causal_mask), 1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 9])
+def test_split_counts_agree(num_splits):
+    """One split writes the output directly; more go through the LSE merge (9 > tiles: empty splits)."""
+    q, k, v = inputs(2, 8, 2, 2, 300, seed=2)
+    lengths = [300, 70]
+    got = decode_attention(q, k, v, score_mod=tanh_softcap(4.0), enable_gqa=True, return_lse=True,
+                           kv_lengths=lengths, num_splits=num_splits)
+    assert_matches(got, reference(q, k, v, tanh_softcap(4.0), kv_lengths=lengths), 1e-5)
+
+
+def test_flex_attention_convention_with_block_mask():
+    """q_offsets=0 and a BlockMask for (Lq, Lkv): what flex_attention's dispatch passes.
+
+    The mask is per batch and per query head (so the GQA group's lists are combined).
+    """
+    B, Hq, Hkv, Lq, L = 2, 8, 2, 3, 260
+
+    def per_head_window(b, h, q_idx, kv_idx):
+        end = L - Lq + q_idx           # the queries sit at the end, in a mask written by hand
+        return (kv_idx <= end) & (end - kv_idx < 20 + 30 * h + 50 * b)
+
+    q, k, v = inputs(B, Hq, Hkv, Lq, L, seed=3)
+    mask = create_block_mask(per_head_window, B, Hq, Lq, L, device="cpu", BLOCK_SIZE=32)
+    got = decode_attention(q, k, v, block_mask=mask, enable_gqa=True, return_lse=True, q_offsets=0)
+    want = flex_attention_reference(q, k, v, mask_mod=per_head_window, enable_gqa=True,
+                                    return_lse=True, dtype=torch.float64)
+    assert_matches(got, want, 1e-5)
+
+
+def test_block_mask_query_tile_across_two_query_blocks():
+    """Queries at positions 12..19 straddle two 16-row query blocks of a logical mask."""
+    B, Hq, Hkv, Lq = 2, 4, 2, 8
+    lengths = [20, 23]
+    q, k, v = inputs(B, Hq, Hkv, Lq, 23, seed=4)
+
+    def stripes(b, h, q_idx, kv_idx):   # rows 0..15 and 16..31 see different kv blocks
+        return ((q_idx // 16 == 0) & (kv_idx < 16)) | ((q_idx // 16 == 1) & (kv_idx >= 4) & (kv_idx <= q_idx))
+
+    mask = create_block_mask(stripes, None, None, 64, 64, device="cpu", BLOCK_SIZE=16)
+    got = decode_attention(q, k, v, block_mask=mask, enable_gqa=True, return_lse=True,
+                           kv_lengths=lengths, q_offsets=[12, 12], num_splits=2)
+    assert_matches(got, reference(q, k, v, None, stripes, kv_lengths=lengths, q_offsets=[12, 12]), 1e-5)
+
+
+def test_dead_rows_padding_and_empty_sequences():
+    """Padding queries, a sequence with no keys and fully masked rows: zeros and LSE = -inf."""
+    q, k, v = inputs(3, 4, 2, 4, 90, seed=5)
+
+    def late_only(b, h, q_idx, kv_idx):
+        return kv_idx > q_idx - 2 + 1000 * (q_idx % 2)   # odd query positions see nothing
+
+    lengths, q_lengths = [90, 0, 50], [4, 2, 1]
+    out, lse = decode_attention(q, k, v, mask_mod=late_only, enable_gqa=True, return_lse=True,
+                                kv_lengths=lengths, q_lengths=q_lengths, q_offsets=[0, 0, 7])
+    want = reference(q, k, v, None, late_only, kv_lengths=lengths, q_offsets=[0, 0, 7],
+                     q_lengths=q_lengths)
+    assert_matches((out, lse), want, 1e-5)
+    assert torch.isneginf(lse[1]).all() and (out[1] == 0).all()
+    assert (out[2, :, 1:] == 0).all() and torch.isneginf(lse[2, :, 1:]).all()
+
+
+def test_captured_buffers_and_value_head_dim():
+    """A score_mod reading bias[h, kv_idx] (h is the query head, per row), a mask reading doc[b, kv_idx]."""
+    B, Hq, Hkv, Lq, L = 2, 8, 2, 2, 120
+    q, k, v = inputs(B, Hq, Hkv, Lq, L, D=32, Dv=48, seed=6)
+    bias = torch.randn(Hq, L, generator=gen(7))
+    doc = torch.tensor([[0] * 50 + [1] * 70, [2] * 100 + [3] * 20], dtype=torch.int32)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[h, kv_idx]
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return doc[b, kv_idx] == doc[b, q_idx]
+
+    got = decode_attention(q, k, v, score_mod=biased, mask_mod=same_doc, enable_gqa=True,
+                           return_lse=True, scale=0.3)
+    assert got[0].shape == (B, Hq, Lq, 48)
+    assert_matches(got, reference(q, k, v, biased, same_doc, scale=0.3), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision(dtype):
+    q, k, v = inputs(2, 8, 2, 1, 200, D=64, dtype=dtype, seed=8)
+    lengths = [200, 131]
+    got = decode_attention(q, k, v, score_mod=tanh_softcap(5.0), mask_mod=sliding_window(64),
+                           enable_gqa=True, return_lse=True, kv_lengths=lengths)
+    assert got[0].dtype == dtype
+    assert_matches(got, reference(q, k, v, tanh_softcap(5.0), sliding_window(64), kv_lengths=lengths), 1e-2)
+
+
+def test_use_decode_path():
+    q1 = torch.randn(1, 4, 16, 32)
+    q2 = torch.randn(1, 4, 17, 32)
+    k = torch.randn(1, 4, 100, 32)
+    assert use_decode_path(q1, k) and not use_decode_path(q2, k)
+    assert not use_decode_path(q1.requires_grad_(), k)
+    with torch.no_grad():
+        assert use_decode_path(q1, k)
+
+
+def test_input_errors():
+    q, k, v = inputs(2, 4, 2, 1, 50)
+    with pytest.raises(InputError, match="enable_gqa"):
+        decode_attention(q, k, v)
+    with pytest.raises(InputError, match="kv_lengths"):
+        decode_attention(q, k, v, enable_gqa=True, kv_lengths=[10, 51])
+    with pytest.raises(InputError, match="kv_lengths"):
+        decode_attention(q, k, v, enable_gqa=True, kv_lengths=[10])
+    with pytest.raises(InputError, match="mask_mod"):
+        mask = create_block_mask(causal_mask, None, None, 1, 50, device="cpu")
+        decode_attention(q, k, v, enable_gqa=True, block_mask=mask, mask_mod=causal_mask)
+    with pytest.raises(InputError, match="Q_LEN"):
+        # default positions are 49: a mask for one query row does not cover them
+        decode_attention(q, k, v, enable_gqa=True, block_mask=mask)
+    with pytest.raises(InputError, match="page_table"):
+        decode_attention(q, k.view(2, 50, 2, 32), v.view(2, 50, 2, 32), enable_gqa=True,
+                         page_table=torch.zeros(3, 4), kv_lengths=[1, 1])
+    with pytest.raises(FlexgenError, match="kernel_options"):
+        decode_attention(q, k, v, enable_gqa=True, kernel_options={"BLOK_N": 32})
+
+
+def test_kernel_source_names_the_mods():
+    q, k, v = inputs(1, 4, 2, 1, 64)
+    text = decode_kernel_source(q, k, v, score_mod=tanh_softcap(7.0), mask_mod=causal_mask, enable_gqa=True)
+    assert "flexgen_decode_" in text and "_tanh" in text and "q_idx" in text
+
+
+def test_every_launched_kernel_compiles_for_sm90():
+    """Ahead-of-time compile (triton.compile for sm_90) of each distinct kernel launched above."""
+    if not LAUNCHES:
+        pytest.skip("no launches recorded (run the whole module)")
+    seen = set()
+    for spec, args, constexprs in LAUNCHES:
+        signature = tuple(aot._arg_type(a) for a in args)
+        key = (spec.key, tuple(sorted(constexprs.items())), signature)
+        if key in seen:
+            continue
+        seen.add(key)
+        compiled = aot.compile_launch(spec, args, constexprs)
+        assert compiled.asm.get("cubin"), f"no cubin for {spec.kernel_name}"
+    assert {s.template for s, _, _ in LAUNCHES} >= {"decode", "decode_merge"}
