@@ -7,7 +7,6 @@ repeated call is a trace of the score_mod plus dict lookups.
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -17,13 +16,13 @@ from torch.autograd.function import once_differentiable
 from . import backward, launch
 from .block_mask import BlockMask
 from .cache import source
+from .checks import DTYPES, check_heads, check_scale, check_tensor
 from .decode import decode_attention, use_decode_path
 from .errors import InputError, expected
 from .lowering import lower
 from .spec import KernelSpec
 from .trace import trace_cached
 
-DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 OPTION_KEYS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
 # torch's kernel_options that only tune torch's own kernels: accepted, no effect here.
 TORCH_ONLY_OPTIONS = {"PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS",
@@ -51,27 +50,9 @@ def default_options(head_dim: int, device: torch.device, sparse_q: int, sparse_k
     return opts
 
 
-def _check_tensor(name, t):
-    if not isinstance(t, torch.Tensor):
-        raise expected(name, "a torch.Tensor [B, H, L, D]", type(t).__name__, f"pass {name} as a tensor")
-    if t.dim() != 4:
-        raise expected(name, "a 4-D tensor [B, H, L, D]", f"shape {list(t.shape)}",
-                       "reshape to [batch, heads, length, head_dim] (e.g. x.transpose(1, 2))")
-    if t.dtype not in DTYPES:
-        raise expected(name, "dtype float16, bfloat16 or float32", t.dtype, f"convert with {name}.to(torch.bfloat16)")
-    if t.device.type not in ("cuda", "cpu"):
-        raise expected(name, "a CUDA or CPU tensor", t.device, "move it with .to('cuda') or .cpu()")
-    if t.shape[-1] < 16 or t.shape[-1] > 256:
-        raise expected(f"{name}.shape[-1] (head dim)", "a head dim from 16 to 256", t.shape[-1],
-                       "pad or split the head dim")
-    if t.stride(-1) != 1:
-        raise expected(name, "a tensor whose last dim is contiguous", f"strides {t.stride()}",
-                       f"pass {name}.contiguous()")
-
-
 def _check_inputs(query, key, value, enable_gqa):
     for name, t in (("query", query), ("key", key), ("value", value)):
-        _check_tensor(name, t)
+        check_tensor(name, t)
     if not (query.dtype == key.dtype == value.dtype):
         raise expected("key/value", f"the query's dtype {query.dtype}",
                        f"key {key.dtype}, value {value.dtype}", "convert all three to one dtype")
@@ -88,14 +69,7 @@ def _check_inputs(query, key, value, enable_gqa):
     if key.shape[3] != D:
         raise expected("key.shape[-1]", f"the query's head dim {D}", key.shape[3],
                        "query and key need the same head dim (value's may differ)")
-    Hkv = key.shape[1]
-    if Hq != Hkv:
-        if not enable_gqa:
-            raise expected("enable_gqa", f"True when query has {Hq} heads and key/value {Hkv}",
-                           False, "pass enable_gqa=True, or repeat the key/value heads")
-        if Hq % Hkv:
-            raise expected("query heads", f"a multiple of the key/value heads ({Hkv})", Hq,
-                           "use a head count divisible by the number of key/value heads")
+    check_heads(Hq, key.shape[1], enable_gqa)
 
 
 def _check_block_mask(block_mask, query, key):
@@ -162,10 +136,7 @@ def _prepare(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel
     device = query.device
     B, Hq, Q_LEN, D = query.shape
     Dv = value.shape[-1]
-    if scale is None:
-        scale = 1.0 / math.sqrt(D)
-    elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
-        raise expected("scale", "a float or None", type(scale).__name__, "pass a Python float")
+    scale = check_scale(scale, D)
 
     score_traced = None if score_mod is None else trace_cached(score_mod, "score_mod")
     score = None if score_traced is None else lower(score_traced)

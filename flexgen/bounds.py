@@ -20,7 +20,7 @@ import sympy
 import torch
 from sympy.core.function import UndefinedFunction
 
-from .expr import INDEX_SYMBOLS, Sigmoid, Trunc
+from .expr import INDEX_SYMBOLS
 
 EMPTY, PARTIAL, FULL, UNDECIDED = 0, 1, 2, 3
 INF = math.inf

@@ -31,7 +31,6 @@ block mask applies the mask element-wise to every key.
 """
 from __future__ import annotations
 
-import math
 import os
 import weakref
 
@@ -40,6 +39,7 @@ import torch
 from . import launch
 from .block_mask import BlockMask
 from .cache import source
+from .checks import DTYPES, check_heads, check_scale, check_tensor
 from .errors import InputError, expected
 from .lowering import lower
 from .spec import KernelSpec
@@ -49,7 +49,6 @@ try:  # the memoized tracer of the hot path (plain trace where it is missing)
 except ImportError:  # pragma: no cover
     from .trace import trace as _trace
 
-DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 MAX_DECODE_QUERIES = 16          # use_decode_path's limit on queries per sequence
 CPU_SPLITS = 2                   # splits under the interpreter: small, but the merge always runs
 MIN_TILES_PER_SPLIT = 2          # a split reads at least this many BLOCK_N tiles
@@ -85,25 +84,6 @@ def use_decode_path(query, key, value=None) -> bool:
 
 
 # --- checks ----------------------------------------------------------------------------
-def _check_tensor(name, t, layout):
-    if not isinstance(t, torch.Tensor):
-        raise expected(name, f"a torch.Tensor {layout}", type(t).__name__, f"pass {name} as a tensor")
-    if t.dim() != 4:
-        raise expected(name, f"a 4-D tensor {layout}", f"shape {list(t.shape)}",
-                       f"reshape {name} to {layout}")
-    if t.dtype not in DTYPES:
-        raise expected(name, "dtype float16, bfloat16 or float32", t.dtype,
-                       f"convert with {name}.to(torch.bfloat16)")
-    if t.device.type not in ("cuda", "cpu"):
-        raise expected(name, "a CUDA or CPU tensor", t.device, "move it with .to('cuda') or .cpu()")
-    if not 16 <= t.shape[-1] <= 256:
-        raise expected(f"{name}.shape[-1] (head dim)", "a head dim from 16 to 256", t.shape[-1],
-                       "pad or split the head dim")
-    if t.stride(-1) != 1:
-        raise expected(name, "a tensor whose last dim is contiguous", f"strides {t.stride()}",
-                       f"pass {name}.contiguous()")
-
-
 def _host_ints(t, B):
     """The B values of a CPU tensor / list / int, or None for a CUDA tensor (never read back: no sync)."""
     if isinstance(t, torch.Tensor):
@@ -313,9 +293,9 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kv_length
           host_lengths=None) -> _Plan:
     paged = page_table is not None
     kv_layout = "[pages, page_size, Hkv, D] (a paged cache)" if paged else "[B, Hkv, L, D]"
-    _check_tensor("query", query, "[B, H, L, D]")
-    _check_tensor("key", key, kv_layout)
-    _check_tensor("value", value, kv_layout)
+    check_tensor("query", query, "[B, H, L, D]")
+    check_tensor("key", key, kv_layout)
+    check_tensor("value", value, kv_layout)
     if not (query.dtype == key.dtype == value.dtype):
         raise expected("key/value", f"the query's dtype {query.dtype}",
                        f"key {key.dtype}, value {value.dtype}", "convert all three to one dtype")
@@ -358,18 +338,9 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kv_length
     if Dk != D:
         raise expected("key.shape[-1]", f"the query's head dim {D}", Dk,
                        "query and key need the same head dim (value's may differ)")
-    if Hq != Hkv:
-        if not enable_gqa:
-            raise expected("enable_gqa", f"True when query has {Hq} heads and key/value {Hkv}",
-                           False, "pass enable_gqa=True, or repeat the key/value heads")
-        if Hq % Hkv:
-            raise expected("query heads", f"a multiple of the key/value heads ({Hkv})", Hq,
-                           "use a head count divisible by the number of key/value heads")
+    check_heads(Hq, Hkv, enable_gqa)
     G = Hq // Hkv
-    if scale is None:
-        scale = 1.0 / math.sqrt(D)
-    elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
-        raise expected("scale", "a float or None", type(scale).__name__, "pass a Python float")
+    scale = check_scale(scale, D)
 
     # Per-sequence lengths and query positions, as the kernel reads them (no work per call
     # when they are ints or int32 tensors already on the device).

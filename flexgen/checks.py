@@ -1,0 +1,54 @@
+"""Input checks shared by every attention entry point (forward, decode, paged).
+
+Each raises ``InputError`` naming the argument, what was expected, what was
+given and the fix, before anything is traced or launched.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .errors import expected
+
+DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+def check_tensor(name, t, layout="[B, H, L, D]"):
+    """``t`` is a 4-D fp16/bf16/fp32 CUDA or CPU tensor with a head dim of 16..256."""
+    if not isinstance(t, torch.Tensor):
+        raise expected(name, f"a torch.Tensor {layout}", type(t).__name__, f"pass {name} as a tensor")
+    if t.dim() != 4:
+        raise expected(name, f"a 4-D tensor {layout}", f"shape {list(t.shape)}",
+                       f"reshape {name} to {layout} (e.g. x.transpose(1, 2))")
+    if t.dtype not in DTYPES:
+        raise expected(name, "dtype float16, bfloat16 or float32", t.dtype,
+                       f"convert with {name}.to(torch.bfloat16)")
+    if t.device.type not in ("cuda", "cpu"):
+        raise expected(name, "a CUDA or CPU tensor", t.device, "move it with .to('cuda') or .cpu()")
+    if not 16 <= t.shape[-1] <= 256:
+        raise expected(f"{name}.shape[-1] (head dim)", "a head dim from 16 to 256", t.shape[-1],
+                       "pad or split the head dim")
+    if t.stride(-1) != 1:
+        raise expected(name, "a tensor whose last dim is contiguous", f"strides {t.stride()}",
+                       f"pass {name}.contiguous()")
+
+
+def check_heads(Hq: int, Hkv: int, enable_gqa: bool) -> None:
+    """Query heads equal the key/value heads, or are a multiple of them with enable_gqa."""
+    if Hq != Hkv:
+        if not enable_gqa:
+            raise expected("enable_gqa", f"True when query has {Hq} heads and key/value {Hkv}",
+                           False, "pass enable_gqa=True, or repeat the key/value heads")
+        if Hq % Hkv:
+            raise expected("query heads", f"a multiple of the key/value heads ({Hkv})", Hq,
+                           "use a head count divisible by the number of key/value heads")
+
+
+def check_scale(scale, head_dim: int) -> float:
+    """The softmax scale: ``scale`` itself, or 1/sqrt(head_dim) for None."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise expected("scale", "a float or None", type(scale).__name__, "pass a Python float")
+    return float(scale)
