@@ -20,7 +20,7 @@ from .checks import DTYPES, check_heads, check_scale, check_tensor
 from .decode import decode_attention, use_decode_path
 from .errors import InputError, expected
 from .lowering import lower
-from .spec import KernelSpec
+from .spec import KernelSpec, dot_precision, mod_fields
 from .trace import trace_cached
 
 OPTION_KEYS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
@@ -160,16 +160,12 @@ def _prepare(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel
     opts = _options(kernel_options, max(D, Dv), device, sparse_q, sparse_kv)
     spec = KernelSpec(
         "forward",
-        score=None if score is None else score.snippet,
-        mask=None if mask is None or mask.is_true else mask.snippet,
-        score_buffers=() if score is None else score.buffers,
-        mask_buffers=() if mask is None else mask.buffers,
+        **mod_fields(score, mask),
         qk_head=D, v_head=Dv, dtype=DTYPES[query.dtype],
         has_block_mask=block_mask is not None,
         block_m=opts["BLOCK_M"], block_n=opts["BLOCK_N"],
         num_warps=opts["num_warps"], num_stages=opts["num_stages"],
-        dot_precision="tf32" if (query.dtype == torch.float32 and device.type == "cuda"
-                                 and torch.backends.cuda.matmul.allow_tf32) else "ieee",
+        dot_precision=dot_precision(query),
     )
     score_buffers = () if score_traced is None else score_traced.buffers
     return _Call(spec, sparse, score_traced, block_mask, score_buffers, mask_buffers, scale,

@@ -42,7 +42,7 @@ from .cache import source
 from .checks import DTYPES, check_heads, check_scale, check_tensor
 from .errors import InputError, expected
 from .lowering import lower
-from .spec import KernelSpec
+from .spec import KernelSpec, dot_precision, mod_fields
 
 try:  # the memoized tracer of the hot path (plain trace where it is missing)
     from .trace import trace_cached as _trace
@@ -417,16 +417,12 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kv_length
     plan = _Plan()
     plan.spec = kernel_spec(
         "decode",
-        score=None if score is None else score.snippet,
-        mask=None if mask is None or mask.is_true else mask.snippet,
-        score_buffers=() if score is None else score.buffers,
-        mask_buffers=() if mask is None else mask.buffers,
+        **mod_fields(score, mask),
         qk_head=D, v_head=Dv, dtype=DTYPES[query.dtype],
         has_block_mask=block_mask is not None,
         block_m=block_m, block_n=opts["BLOCK_N"],
         num_warps=opts["num_warps"], num_stages=opts["num_stages"],
-        dot_precision="tf32" if (query.dtype == torch.float32 and device.type == "cuda"
-                                 and torch.backends.cuda.matmul.allow_tf32) else "ieee",
+        dot_precision=dot_precision(query),
     )
     plan.merge_spec = None if num_splits == 1 else kernel_spec(
         "decode_merge", v_head=Dv, dtype=DTYPES[query.dtype],

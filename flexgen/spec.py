@@ -13,6 +13,7 @@ import functools
 import hashlib
 from dataclasses import astuple, dataclass
 
+import torch
 import triton
 
 from . import __version__
@@ -75,3 +76,21 @@ class KernelSpec:
                    qk_pad=pad_head_dim(self.qk_head) if self.qk_head else 0,
                    v_pad=pad_head_dim(self.v_head) if self.v_head else 0)
         return ctx
+
+
+def mod_fields(score, mask) -> dict:
+    """The KernelSpec fields of a lowered score_mod and mask_mod (either may be None).
+
+    A mask that keeps everything (noop_mask) adds no mask code.
+    """
+    return dict(score=None if score is None else score.snippet,
+                mask=None if mask is None or mask.is_true else mask.snippet,
+                score_buffers=() if score is None else score.buffers,
+                mask_buffers=() if mask is None else mask.buffers)
+
+
+def dot_precision(query: torch.Tensor) -> str:
+    """fp32 inputs use tf32 on the GPU only where torch allows it for matmuls, as torch does."""
+    tf32 = (query.dtype == torch.float32 and query.device.type == "cuda"
+            and torch.backends.cuda.matmul.allow_tf32)
+    return "tf32" if tf32 else "ieee"
