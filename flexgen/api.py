@@ -20,7 +20,7 @@ from .checks import DTYPES, check_heads, check_scale, check_tensor
 from .decode import decode_attention, use_decode_path
 from .errors import InputError, expected
 from .lowering import lower
-from .spec import KernelSpec, dot_precision, mod_fields
+from .spec import KernelSpec, dot_precision, kernel_spec, mod_fields
 from .trace import trace_cached
 
 OPTION_KEYS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
@@ -158,7 +158,7 @@ def _prepare(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel
         sparse = (*lists, sparse_q, sparse_kv)
 
     opts = _options(kernel_options, max(D, Dv), device, sparse_q, sparse_kv)
-    spec = KernelSpec(
+    spec = kernel_spec(
         "forward",
         **mod_fields(score, mask),
         qk_head=D, v_head=Dv, dtype=DTYPES[query.dtype],

@@ -42,7 +42,7 @@ from .cache import source
 from .checks import DTYPES, check_heads, check_scale, check_tensor
 from .errors import InputError, expected
 from .lowering import lower
-from .spec import KernelSpec, dot_precision, mod_fields
+from .spec import dot_precision, kernel_spec, mod_fields
 
 try:  # the memoized tracer of the hot path (plain trace where it is missing)
     from .trace import trace_cached as _trace
@@ -261,24 +261,6 @@ def _lengths_arg(name, value, B, device, fix):
             and value.shape[0] == B and value.device == device:
         return value                   # already what the kernel reads: no copy, no launch
     return _per_sequence(name, value, B, device, fix)
-
-
-_SPECS: dict = {}
-
-
-def kernel_spec(template: str, **fields) -> KernelSpec:
-    """The ``KernelSpec`` for these fields, one instance per distinct spec.
-
-    Reusing the instance keeps its cached key: hashing a new spec costs more
-    than the rest of a warm call.
-    """
-    memo = (template, *sorted(fields.items()))
-    spec = _SPECS.get(memo)
-    if spec is None:
-        if len(_SPECS) > 4096:
-            _SPECS.clear()
-        spec = _SPECS[memo] = KernelSpec(template, **fields)
-    return spec
 
 
 # --- the plan -----------------------------------------------------------------------------

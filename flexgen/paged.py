@@ -40,7 +40,8 @@ import torch
 
 from . import launch
 from .block_mask import create_block_mask
-from .decode import DTYPES, decode_attention, kernel_spec
+from .decode import DTYPES, decode_attention
+from .spec import kernel_spec
 from .errors import InputError, expected
 
 

@@ -94,3 +94,21 @@ def dot_precision(query: torch.Tensor) -> str:
     tf32 = (query.dtype == torch.float32 and query.device.type == "cuda"
             and torch.backends.cuda.matmul.allow_tf32)
     return "tf32" if tf32 else "ieee"
+
+
+_SPECS: dict = {}
+
+
+def kernel_spec(template: str, **fields) -> KernelSpec:
+    """The ``KernelSpec`` for these fields, one instance per distinct spec.
+
+    Reusing the instance keeps its cached key: hashing a new spec (sha256 of
+    its fields) costs more than the rest of a warm call.
+    """
+    memo = (template, *sorted(fields.items()))
+    spec = _SPECS.get(memo)
+    if spec is None:
+        if len(_SPECS) > 4096:       # specs made per call (a new mod each time): stay bounded
+            _SPECS.clear()
+        spec = _SPECS[memo] = KernelSpec(template, **fields)
+    return spec
