@@ -106,6 +106,15 @@ def compile_recorded(recorded) -> int:
     return new
 
 
+# Every launch of the session, by test module: (spec, args, constexprs).
+_LAUNCHES_BY_MODULE: dict = {}
+
+
+def launches_of(module_name: str) -> list:
+    """The launches recorded so far by the tests of one module (``__name__`` there)."""
+    return _LAUNCHES_BY_MODULE.get(module_name, [])
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     previous = launch.RECORDED
@@ -114,6 +123,7 @@ def pytest_runtest_call(item):
         result = yield
     finally:
         launch.RECORDED = previous
+    _LAUNCHES_BY_MODULE.setdefault(item.module.__name__, []).extend(recorded)
     if AOT_ENABLED and recorded and not item.get_closest_marker("no_aot"):
         compile_recorded(recorded)
     return result

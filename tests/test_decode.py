@@ -19,34 +19,12 @@ import math  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from flexgen import aot, cache, create_block_mask, launch  # noqa: E402
+from flexgen import aot, create_block_mask  # noqa: E402
 from flexgen.decode import decode_attention, decode_kernel_source, use_decode_path  # noqa: E402
 from flexgen.errors import FlexgenError, InputError  # noqa: E402
 from flexgen.mods import alibi, causal_mask, sliding_window, tanh_softcap  # noqa: E402
 from flexgen.reference import flex_attention_reference  # noqa: E402
-
-LAUNCHES: list = []          # (spec, args, constexprs) of every launch in this module
-
-
-@pytest.fixture(autouse=True)
-def poison_and_record(monkeypatch):
-    """Poison outputs; record every launch with its constexprs for the sm_90 compile test.
-
-    (conftest's per-test AOT check, when there, keys kernels by spec and argument
-    types; the last test here also covers each constexpr variant: paged or not,
-    one split or a merge, query tile sizes.)
-    """
-    monkeypatch.setenv("FLEXGEN_POISON", "1")
-    run = launch.run
-
-    def recording_run(spec, device, *inputs):
-        run(spec, device, *inputs)
-        module = cache.load(spec, interpret=launch.uses_interpreter(device))
-        LAUNCHES.append((spec, *module.arguments(*inputs)[1:]))
-
-    monkeypatch.setattr(launch, "run", recording_run)
-    yield
-
+from conftest import launches_of  # noqa: E402
 
 def gen(seed):
     return torch.Generator().manual_seed(seed)
@@ -263,6 +241,7 @@ def test_kernel_source_names_the_mods():
 
 def test_every_launched_kernel_compiles_for_sm90():
     """Ahead-of-time compile (triton.compile for sm_90) of each distinct kernel launched above."""
+    LAUNCHES = launches_of(__name__)     # recorded by conftest around every test
     if not LAUNCHES:
         pytest.skip("no launches recorded (run the whole module)")
     seen = set()
