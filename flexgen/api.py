@@ -16,11 +16,11 @@ from torch.autograd.function import once_differentiable
 from . import backward, launch
 from .block_mask import BlockMask
 from .cache import source
-from .checks import DTYPES, check_heads, check_scale, check_tensor
+from .checks import DTYPES, check_buffers, check_heads, check_scale, check_tensor
 from .decode import decode_attention, use_decode_path
-from .errors import InputError, expected
+from .errors import expected
 from .lowering import lower
-from .spec import KernelSpec, dot_precision, kernel_spec, mod_fields
+from .spec import KernelSpec, dot_precision, kernel_spec, mod_fields, tile_options
 from .trace import trace_cached
 
 OPTION_KEYS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
@@ -34,20 +34,19 @@ TORCH_ONLY_OPTIONS = {"PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGU
 POISON = os.environ.get("FLEXGEN_POISON") == "1"
 
 
+# Forward tiles per head dim. On the CPU the interpreter's cost is per operation,
+# not per element: few large tiles.
+FORWARD_TILES = {
+    "cpu": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1),
+    64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+    128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+}
+
+
 def default_options(head_dim: int, device: torch.device, sparse_q: int, sparse_kv: int) -> dict:
     """Tile sizes and launch options for a head dim on a device (clamped to the sparse blocks)."""
-    if device.type != "cuda":
-        # The interpreter's cost is per operation, not per element: few large tiles.
-        opts = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1)
-    elif head_dim <= 64:
-        opts = dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
-    elif head_dim <= 128:
-        opts = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
-    else:
-        opts = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
-    opts["BLOCK_M"] = min(opts["BLOCK_M"], sparse_q)
-    opts["BLOCK_N"] = min(opts["BLOCK_N"], sparse_kv)
-    return opts
+    return tile_options(FORWARD_TILES, head_dim, device, sparse_q, sparse_kv)
 
 
 def _check_inputs(query, key, value, enable_gqa):
@@ -109,14 +108,6 @@ def _options(kernel_options, head_dim, device, sparse_q, sparse_kv, defaults=Non
     return opts
 
 
-def _check_buffers(traced, device):
-    for i, t in enumerate(traced.buffers):
-        if t.device != device:
-            raise InputError(f"{traced.kind} '{traced.name}': captured tensor {i} (shape {list(t.shape)}) "
-                             f"is on {t.device}, expected {device} like the query. "
-                             f"Fix: move it with .to('{device}')")
-
-
 @dataclass(frozen=True)
 class _Call:
     """One checked call: the forward kernel and what the backward would need."""
@@ -141,7 +132,7 @@ def _prepare(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel
     score_traced = None if score_mod is None else trace_cached(score_mod, "score_mod")
     score = None if score_traced is None else lower(score_traced)
     if score_traced is not None:
-        _check_buffers(score_traced, device)
+        check_buffers(score_traced, device)
 
     mask, sparse, mask_buffers = None, None, ()
     sparse_q = sparse_kv = 128
@@ -149,7 +140,7 @@ def _prepare(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel
         _check_block_mask(block_mask, query, key)
         sparse_q, sparse_kv = block_mask.BLOCK_SIZE
         mask_traced = block_mask.traced()
-        _check_buffers(mask_traced, device)
+        check_buffers(mask_traced, device)
         mask = lower(mask_traced)
         mask_buffers = mask_traced.buffers
         lists = [t.expand(B, Hq, *t.shape[2:]) for t in (

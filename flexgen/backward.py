@@ -36,7 +36,7 @@ from .codegen import Address, Snippet, print_address, print_joint
 from .errors import FlexgenError
 from .expr import INDEX_SYMBOLS, SCORE, NotDifferentiable, derivative, load_applications
 from .lowering import lower
-from .spec import BufferSig, KernelSpec
+from .spec import BufferSig, KernelSpec, tile_options
 from .trace import Traced
 
 
@@ -203,17 +203,15 @@ def default_options(head_dim: int, device: torch.device, sparse_q: int, sparse_k
     warps, 2/3 stages): 64 x 64 with 4 warps was best or within 5% for both
     parts at D=64 (3 stages) and D=128 (2 stages). D > 128 is not tuned.
     """
-    if device.type != "cuda":
-        opts = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1)
-    elif head_dim <= 64:
-        opts = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
-    elif head_dim <= 128:
-        opts = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
-    else:
-        opts = dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
-    opts["BLOCK_M"] = min(opts["BLOCK_M"], sparse_q)
-    opts["BLOCK_N"] = min(opts["BLOCK_N"], sparse_kv)
-    return opts
+    return tile_options(BACKWARD_TILES, head_dim, device, sparse_q, sparse_kv)
+
+
+BACKWARD_TILES = {
+    "cpu": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1),
+    64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+    128: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+    256: dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1),
+}
 
 
 @dataclass(frozen=True)

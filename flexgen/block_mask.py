@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from . import bounds, launch
-from .errors import InputError, expected
+from .checks import check_buffers
+from .errors import expected
 from .lowering import buffer_map, lower
 from .spec import KernelSpec
 from .trace import trace
@@ -185,10 +186,7 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
         device = torch.device("cuda", torch.cuda.current_device())
     traced = trace(mask_mod, "mask_mod")
     lowered = lower(traced)
-    for i, t in enumerate(traced.buffers):
-        if t.device != device:
-            raise InputError(f"mask_mod '{traced.name}': captured tensor {i} (shape {list(t.shape)}) is on "
-                             f"{t.device}, expected {device} like the mask. Fix: move it with .to('{device}')")
+    check_buffers(traced, device, like="the mask")
     states = bounds.classify(lowered.expr, Bn, Hn, Q_LEN, KV_LEN, q_block, kv_block,
                              buffer_map(traced), device)
     undecided = (states == bounds.UNDECIDED).nonzero().to(torch.int32).contiguous()

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from .errors import expected
+from .errors import InputError, expected
 
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -52,3 +52,12 @@ def check_scale(scale, head_dim: int) -> float:
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise expected("scale", "a float or None", type(scale).__name__, "pass a Python float")
     return float(scale)
+
+
+def check_buffers(traced, device, like: str = "the query") -> None:
+    """Every tensor a traced mod captured is on ``device``."""
+    for i, t in enumerate(traced.buffers):
+        if t.device != device:
+            raise InputError(f"{traced.kind} '{traced.name}': captured tensor {i} (shape {list(t.shape)}) "
+                             f"is on {t.device}, expected {device} like {like}. "
+                             f"Fix: move it with .to('{device}')")

@@ -39,8 +39,8 @@ import torch
 from . import launch
 from .block_mask import BlockMask
 from .cache import source
-from .checks import DTYPES, check_heads, check_scale, check_tensor
-from .errors import InputError, expected
+from .checks import DTYPES, check_buffers, check_heads, check_scale, check_tensor
+from .errors import expected
 from .lowering import lower
 from .spec import dot_precision, kernel_spec, mod_fields
 
@@ -160,14 +160,6 @@ def _check_block_mask(block_mask, B, Hq, device):
     if block_mask.device != device:
         raise expected("block_mask", f"a mask on {device} like the query", block_mask.device,
                        f"block_mask.to('{device}')")
-
-
-def _check_buffers(traced, device):
-    for i, t in enumerate(traced.buffers):
-        if t.device != device:
-            raise InputError(f"{traced.kind} '{traced.name}': captured tensor {i} (shape {list(t.shape)}) "
-                             f"is on {t.device}, expected {device} like the query. "
-                             f"Fix: move it with .to('{device}')")
 
 
 # --- launch configuration --------------------------------------------------------------------
@@ -356,7 +348,7 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kv_length
     score_traced = None if score_mod is None else _trace(score_mod, "score_mod")
     score = None if score_traced is None else lower(score_traced)
     if score_traced is not None:
-        _check_buffers(score_traced, device)
+        check_buffers(score_traced, device)
 
     mask, mask_traced, visit, sparse_q, sparse_kv = None, None, None, None, None
     if block_mask is not None:
@@ -382,7 +374,7 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kv_length
     elif mask_mod is not None:
         mask_traced = _trace(mask_mod, "mask_mod")
     if mask_traced is not None:
-        _check_buffers(mask_traced, device)
+        check_buffers(mask_traced, device)
         mask = lower(mask_traced)
 
     q_tile, block_m, block_n, warps, stages = _geometry(device, G, Lq, max(D, Dv), sparse_q)
