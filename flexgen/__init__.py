@@ -10,9 +10,11 @@ from .errors import FlexgenError, InputError, TraceError  # noqa: E402
 from .block_mask import BlockMask, create_block_mask, create_mask  # noqa: E402
 from .api import flex_attention, kernel_source  # noqa: E402
 from .backward import GradientError  # noqa: E402
+from .tuning import autotune  # noqa: E402
 from .mods.combinators import and_masks, noop_mask, or_masks  # noqa: E402
 
 __all__ = [
     "flex_attention", "create_block_mask", "create_mask", "BlockMask", "kernel_source",
     "and_masks", "or_masks", "noop_mask", "FlexgenError", "InputError", "TraceError", "GradientError",
+    "autotune",
 ]

@@ -13,14 +13,14 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import backward, launch
+from . import backward, launch, tuning
 from .block_mask import BlockMask
 from .cache import source
 from .checks import DTYPES, check_buffers, check_heads, check_scale, check_tensor
 from .decode import decode_attention, use_decode_path
 from .errors import expected
 from .lowering import lower
-from .spec import KernelSpec, dot_precision, kernel_spec, mod_fields, tile_options
+from .spec import KernelSpec, dot_precision, kernel_spec, mod_fields
 from .trace import trace_cached
 
 OPTION_KEYS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
@@ -32,21 +32,6 @@ TORCH_ONLY_OPTIONS = {"PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGU
 # Set FLEXGEN_POISON=1 (the tests do) to fill outputs with NaN before each
 # launch, so an element the kernel fails to write shows up.
 POISON = os.environ.get("FLEXGEN_POISON") == "1"
-
-
-# Forward tiles per head dim. On the CPU the interpreter's cost is per operation,
-# not per element: few large tiles.
-FORWARD_TILES = {
-    "cpu": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1),
-    64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
-    128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
-    256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
-}
-
-
-def default_options(head_dim: int, device: torch.device, sparse_q: int, sparse_kv: int) -> dict:
-    """Tile sizes and launch options for a head dim on a device (clamped to the sparse blocks)."""
-    return tile_options(FORWARD_TILES, head_dim, device, sparse_q, sparse_kv)
 
 
 def _check_inputs(query, key, value, enable_gqa):
@@ -90,8 +75,9 @@ def _check_block_mask(block_mask, query, key):
                        f"block_mask.to('{query.device}')")
 
 
-def _options(kernel_options, head_dim, device, sparse_q, sparse_kv, defaults=None) -> dict:
-    opts = (defaults or default_options)(head_dim, device, sparse_q, sparse_kv)
+def _options(kernel: str, kernel_options, head_dim, dtype, device, sparse_q, sparse_kv) -> dict:
+    """The tiles for ``kernel``: the tuning table's (flexgen.tuning), with the caller's options on top."""
+    opts = tuning.options(kernel, head_dim, dtype, device, sparse_q, sparse_kv)
     for k, v in (kernel_options or {}).items():
         if k in TORCH_ONLY_OPTIONS:
             continue
@@ -106,6 +92,13 @@ def _options(kernel_options, head_dim, device, sparse_q, sparse_kv, defaults=Non
             raise expected(f"kernel_options[{k!r}]", f"a power of two >= 16 dividing the sparse block {sparse}",
                            opts[k], "use 64 or 128 (or a smaller power of two)")
     return opts
+
+
+def _tunable_tiles(call) -> tuple | None:
+    """The sparse block sizes the autotuner's tiles must divide, or None: the caller chose tiles."""
+    if call.kernel_options and OPTION_KEYS & set(call.kernel_options):
+        return None
+    return call.block_mask.BLOCK_SIZE if call.block_mask is not None else (128, 128)
 
 
 @dataclass(frozen=True)
@@ -148,7 +141,8 @@ def _prepare(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel
             block_mask.full_kv_num_blocks, block_mask.full_kv_indices)]
         sparse = (*lists, sparse_q, sparse_kv)
 
-    opts = _options(kernel_options, max(D, Dv), device, sparse_q, sparse_kv)
+    opts = _options("forward", kernel_options, max(D, Dv), DTYPES[query.dtype], device,
+                    sparse_q, sparse_kv)
     spec = kernel_spec(
         "forward",
         **mod_fields(score, mask),
@@ -172,10 +166,11 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_op
 def _backward_plan(call: _Call, query, value, slots) -> backward.BackwardPlan:
     """Derive and print the backward kernels' mods (GradientError here, before any launch)."""
     sparse_q, sparse_kv = (call.block_mask.BLOCK_SIZE if call.block_mask is not None else (128, 128))
-    opts = _options(call.kernel_options, max(query.shape[-1], value.shape[-1]), query.device,
-                    sparse_q, sparse_kv, defaults=backward.default_options)
+    head_dim = max(query.shape[-1], value.shape[-1])
+    dq, dkdv = (_options(kernel, call.kernel_options, head_dim, call.spec.dtype, query.device,
+                         sparse_q, sparse_kv) for kernel in ("backward.dq", "backward.dkdv"))
     return backward.plan(call.spec, call.score_traced, call.block_mask, query,
-                         call.mask_buffers, call.scale, slots, opts)
+                         call.mask_buffers, call.scale, slots, dq, dkdv, _tunable_tiles(call))
 
 
 def _forward(call: _Call, query, key, value):
@@ -186,7 +181,7 @@ def _forward(call: _Call, query, key, value):
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
     launch.run(call.spec, query.device, query, key, value, out, lse, call.sparse,
-               call.score_buffers, call.mask_buffers, call.scale)
+               call.score_buffers, call.mask_buffers, call.scale, tune_blocks=_tunable_tiles(call))
     return out, lse
 
 

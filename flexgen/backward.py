@@ -36,7 +36,7 @@ from .codegen import Address, Snippet, print_address, print_joint
 from .errors import FlexgenError
 from .expr import INDEX_SYMBOLS, SCORE, NotDifferentiable, derivative, load_applications
 from .lowering import lower
-from .spec import BufferSig, KernelSpec, tile_options
+from .spec import BufferSig, KernelSpec
 from .trace import Traced
 
 
@@ -194,26 +194,6 @@ def _score_grad(joint, score_grad_expr) -> str | None:
     return code if kind == "float" else f"({code}).to(tl.float32)"
 
 
-def default_options(head_dim: int, device: torch.device, sparse_q: int, sparse_kv: int) -> dict:
-    """Tile sizes of the backward kernels (both parts), clamped to the sparse blocks.
-
-    The backward holds more tiles live than the forward (dK and dV, or dQ,
-    plus q/k/v/dO), so its tiles are smaller on the GPU. Measured on an H100
-    (bf16, causal, L=4096; both parts swept over 64/128/32-wide tiles, 4/8
-    warps, 2/3 stages): 64 x 64 with 4 warps was best or within 5% for both
-    parts at D=64 (3 stages) and D=128 (2 stages). D > 128 is not tuned.
-    """
-    return tile_options(BACKWARD_TILES, head_dim, device, sparse_q, sparse_kv)
-
-
-BACKWARD_TILES = {
-    "cpu": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1),
-    64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
-    128: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
-    256: dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1),
-}
-
-
 @dataclass(frozen=True)
 class BackwardPlan:
     """Everything the backward needs besides the saved tensors, decided in the forward."""
@@ -224,23 +204,30 @@ class BackwardPlan:
     grad_slots: tuple             # score buffers that receive a gradient
     mask_buffers: tuple
     scale: float
+    tune_blocks: tuple | None     # sparse block sizes the autotuner's tiles divide; None: fixed tiles
 
 
 def plan(forward: KernelSpec, score_traced, block_mask, query, mask_buffers, scale,
-         grad_slots: tuple, options: dict) -> BackwardPlan:
-    """The two backward specs for a forward call (raises GradientError before anything runs)."""
+         grad_slots: tuple, dq_options: dict, dkdv_options: dict,
+         tune_blocks: tuple | None = None) -> BackwardPlan:
+    """The two backward specs for a forward call (raises GradientError before anything runs).
+
+    Each part has its own tiles (``flexgen.tuning`` gives them per kernel).
+    """
     memo_key = (forward.key, None if score_traced is None else score_traced.signature, grad_slots,
-                tuple(sorted(options.items())))
+                tuple(sorted(dq_options.items())), tuple(sorted(dkdv_options.items())))
     specs = _SPECS.get(memo_key)
     if specs is None:
-        specs = _SPECS[memo_key] = _specs(forward, lower_grad(score_traced, grad_slots), options)
+        specs = _SPECS[memo_key] = _specs(forward, lower_grad(score_traced, grad_slots),
+                                          dq_options, dkdv_options)
     dq, dkdv = specs
     kv_sparse = q_sparse = None
     if block_mask is not None:
         B, H = query.shape[:2]
         kv_sparse = _lists(block_mask, "kv", B, H)
         q_sparse = _lists(block_mask, "q", B, H)
-    return BackwardPlan(dq, dkdv, kv_sparse, q_sparse, grad_slots, tuple(mask_buffers), scale)
+    return BackwardPlan(dq, dkdv, kv_sparse, q_sparse, grad_slots, tuple(mask_buffers), scale,
+                        tune_blocks)
 
 
 # (forward key, score_mod signature, grad slots, options) -> (dq spec, dkdv spec): the same
@@ -248,19 +235,22 @@ def plan(forward: KernelSpec, score_traced, block_mask, query, mask_buffers, sca
 _SPECS: dict = {}
 
 
-def _specs(forward: KernelSpec, grads: LoweredGrad, options: dict) -> tuple:
+def _tiles(options: dict) -> dict:
+    return dict(block_m=options["BLOCK_M"], block_n=options["BLOCK_N"],
+                num_warps=options["num_warps"], num_stages=options["num_stages"])
+
+
+def _specs(forward: KernelSpec, grads: LoweredGrad, dq_options: dict, dkdv_options: dict) -> tuple:
     common = dict(mask=forward.mask, score_buffers=forward.score_buffers,
                   mask_buffers=forward.mask_buffers, qk_head=forward.qk_head,
                   v_head=forward.v_head, dtype=forward.dtype,
-                  has_block_mask=forward.has_block_mask, block_m=options["BLOCK_M"],
-                  block_n=options["BLOCK_N"], num_warps=options["num_warps"],
-                  num_stages=options["num_stages"], dot_precision=forward.dot_precision,
+                  has_block_mask=forward.has_block_mask, dot_precision=forward.dot_precision,
                   score_grad_const=grads.score_grad_const)
     dq = BackwardSpec("backward", part="dq", score=grads.dq.snippet,
                       score_grad=grads.dq.score_grad, scatters=grads.scatters,
-                      grad_buffers=grads.grad_buffers, **common)
+                      grad_buffers=grads.grad_buffers, **_tiles(dq_options), **common)
     dkdv = BackwardSpec("backward", part="dkdv", score=grads.dkdv.snippet,
-                        score_grad=grads.dkdv.score_grad, **common)
+                        score_grad=grads.dkdv.score_grad, **_tiles(dkdv_options), **common)
     return dq, dkdv
 
 
@@ -307,10 +297,11 @@ def run(bw: BackwardPlan, query, key, value, out, lse, grad_out, grad_lse, score
     grads = [torch.zeros(score_buffers[i].shape, dtype=torch.float32, device=device)
              for i in bw.grad_slots]
     common = (query, key, value, out, grad_out, lse, dlse, delta, dq, dk, dv)
-    launch.run(bw.dq, device, *common, bw.kv_sparse, score_buffers, bw.mask_buffers, grads, bw.scale)
+    launch.run(bw.dq, device, *common, bw.kv_sparse, score_buffers, bw.mask_buffers, grads, bw.scale,
+               tune_blocks=bw.tune_blocks)
     if needs_kv:
         launch.run(bw.dkdv, device, *common, bw.q_sparse, score_buffers, bw.mask_buffers, (),
-                   bw.scale)
+                   bw.scale, tune_blocks=bw.tune_blocks)
     buffer_grads = {slot: g.to(score_buffers[slot].dtype) for slot, g in zip(bw.grad_slots, grads)}
     return dq, dk, dv, buffer_grads
 
@@ -324,4 +315,4 @@ def grad_slots(traced) -> tuple:
 
 
 __all__ = ["GradientError", "BackwardSpec", "BackwardPlan", "lower_grad", "plan", "run",
-           "grad_slots", "default_options"]
+           "grad_slots"]

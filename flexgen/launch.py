@@ -11,7 +11,7 @@ import threading
 
 import torch
 
-from . import cache
+from . import cache, tuning
 from .spec import KernelSpec
 
 # When a list, every launch appends (spec, args, constexprs): flexgen.aot
@@ -57,7 +57,19 @@ def _library_interpreted():
             JITFunction.__call__ = original
 
 
-def run(spec: KernelSpec, device: torch.device, *inputs) -> None:
+def run(spec: KernelSpec, device: torch.device, *inputs, tune_blocks: tuple | None = None) -> None:
+    """Launch ``spec``'s kernel on ``inputs`` (the arguments its module's ``arguments`` takes).
+
+    ``tune_blocks`` (the sparse block sizes) marks a launch whose tiles the
+    caller left to flexgen: on a GPU it may launch an autotuned winner instead
+    (``flexgen.tuning``).
+    """
+    if tune_blocks is not None and device.type == "cuda" and tuning.needs_lookup():
+        spec = tuning.choose(spec, device, inputs, tune_blocks, lambda s: _launch(s, device, inputs))
+    _launch(spec, device, inputs)
+
+
+def _launch(spec: KernelSpec, device: torch.device, inputs) -> None:
     interpret = uses_interpreter(device)
     module = cache.load(spec, interpret=interpret)
     grid, args, constexprs = module.arguments(*inputs)

@@ -112,19 +112,3 @@ def kernel_spec(template: str, **fields) -> KernelSpec:
             _SPECS.clear()
         spec = _SPECS[memo] = KernelSpec(template, **fields)
     return spec
-
-
-def tile_options(table: dict, head_dim: int, device, sparse_q: int, sparse_kv: int) -> dict:
-    """The launch options of ``table`` for a head dim on a device, tiles clamped to the sparse blocks.
-
-    ``table`` maps "cpu" (the interpreter) and head-dim limits (64, 128, 256) to
-    dicts of BLOCK_M, BLOCK_N, num_warps and num_stages.
-    """
-    if device.type != "cuda":
-        row = table["cpu"]
-    else:
-        row = next(table[d] for d in (64, 128, 256) if head_dim <= d)
-    opts = dict(row)
-    opts["BLOCK_M"] = min(opts["BLOCK_M"], sparse_q)
-    opts["BLOCK_N"] = min(opts["BLOCK_N"], sparse_kv)
-    return opts

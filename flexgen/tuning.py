@@ -1,0 +1,319 @@
+"""Tile configurations: a checked-in table, defaults per head dim, and an opt-in autotuner.
+
+Which tiles a kernel launches with is decided in this order:
+
+1. ``kernel_options`` the caller passed (never overridden);
+2. a winner the autotuner stored on disk for this kernel, GPU and size bucket
+   (``$FLEXGEN_CACHE_DIR/autotune.json``), when there is one;
+3. ``TUNED``: configurations measured on a named GPU, per (kernel, GPU, dtype,
+   padded head dim), checked into the repository (``benchmarks/tune.py`` measures them);
+4. ``DEFAULTS``: per head dim, for any GPU; "cpu" for the Triton interpreter,
+   whose cost is per operation rather than per element (few large tiles).
+
+Autotuning is opt-in (``with flexgen.autotune():`` or ``FLEXGEN_AUTOTUNE=1``):
+the first launch of a kernel for a size bucket on a CUDA device times every
+candidate configuration on the call's own inputs (with a progress bar on
+stderr), keeps the fastest and stores it. Only kernels that can be re-run
+without changing their result are tuned (a kernel that accumulates gradients
+of captured tensors with atomics is not).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import math
+import os
+import re
+import sys
+import threading
+
+import torch
+
+from .spec import KernelSpec, pad_head_dim
+
+KERNELS = ("forward", "backward.dq", "backward.dkdv")
+FIELDS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "num_warps": "num_warps",
+          "num_stages": "num_stages"}
+
+_FORWARD = {
+    "cpu": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1),
+    64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+    128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+}
+# The backward holds more tiles live than the forward (dK and dV, or dQ, plus
+# q/k/v/dO), so its tiles are smaller. Measured on an H100 (bf16, causal,
+# L=4096, both parts swept over 32/64/128-wide tiles, 4/8 warps, 2/3 stages):
+# 64 x 64 with 4 warps was best or within 5% at D=64 and D=128.
+_BACKWARD = {
+    "cpu": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1),
+    64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+    128: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+    256: dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1),
+}
+DEFAULTS = {"forward": _FORWARD, "backward.dq": _BACKWARD, "backward.dkdv": _BACKWARD}
+
+# (kernel, GPU, dtype, padded head dim) -> configuration, each measured by
+# benchmarks/tune.py on that GPU (the fastest over the sweep's cases).
+TUNED: dict = {}
+
+
+def gpu_name(device: torch.device) -> str:
+    """A short name for the GPU ("H100", "H200", "A100"), else its architecture ("sm90")."""
+    return _gpu_name(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_name(index: int) -> str:
+    found = re.search(r"\b([A-Z]{1,2}\d{2,3}[A-Z]?)\b", torch.cuda.get_device_name(index))
+    if found:
+        return found.group(1)
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm{major}{minor}"
+
+
+def table_row(kernel: str, head_dim: int, dtype: str, device: torch.device) -> dict:
+    """The configuration the table gives a kernel (before clamping to sparse blocks)."""
+    if device.type != "cuda":
+        return dict(DEFAULTS[kernel]["cpu"])
+    padded = pad_head_dim(head_dim)
+    gpu = gpu_name(device)
+    # fp16 and bf16 tiles cost the same: one stands in for the other.
+    for dt in (dtype, {"bf16": "fp16", "fp16": "bf16"}.get(dtype)):
+        row = TUNED.get((kernel, gpu, dt, padded))
+        if row is not None:
+            return dict(row)
+    return dict(next(DEFAULTS[kernel][d] for d in (64, 128, 256) if head_dim <= d))
+
+
+def options(kernel: str, head_dim: int, dtype: str, device: torch.device,
+            sparse_q: int, sparse_kv: int) -> dict:
+    """BLOCK_M, BLOCK_N, num_warps, num_stages for a kernel, tiles clamped to the sparse blocks."""
+    opts = table_row(kernel, head_dim, dtype, device)
+    opts["BLOCK_M"] = min(opts["BLOCK_M"], sparse_q)
+    opts["BLOCK_N"] = min(opts["BLOCK_N"], sparse_kv)
+    return opts
+
+
+# ---------------------------------------------------------------------------- autotuning
+
+_ACTIVE = [os.environ.get("FLEXGEN_AUTOTUNE") == "1"]
+_LOCK = threading.RLock()
+_STORED: dict | None = None          # the disk file's entries, loaded on first need
+_CHOSEN: dict = {}                   # (spec key, bucket) -> the spec to launch
+STORE_NAME = "autotune.json"
+STORE_VERSION = 1
+
+
+@contextlib.contextmanager
+def autotune(enabled: bool = True):
+    """Search tile configurations for kernels first launched inside the block (CUDA only).
+
+    Each new (kernel, GPU, size bucket) times every candidate configuration on
+    its inputs, shows progress on stderr and stores the winner in the cache
+    directory; later calls, in this process or another, launch the winner.
+    """
+    with _LOCK:
+        old, _ACTIVE[0] = _ACTIVE[0], enabled
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _ACTIVE[0] = old
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _bucket(inputs) -> tuple:
+    """Sizes that change the best tiles: lengths and batch x heads, rounded up to powers of two."""
+    query, key = inputs[0], inputs[1]
+    B, H, q_len = query.shape[:3]
+    return _pow2(q_len), _pow2(key.shape[2]), _pow2(B * H)
+
+
+def _tile_free_key(spec: KernelSpec) -> str:
+    return dataclasses.replace(spec, block_m=0, block_n=0, num_warps=0, num_stages=0).key
+
+
+def _store_key(spec: KernelSpec, device, bucket) -> str:
+    return f"{_tile_free_key(spec)}|{gpu_name(device)}|{'x'.join(map(str, bucket))}"
+
+
+def _with(spec: KernelSpec, config: dict) -> KernelSpec:
+    return dataclasses.replace(spec, **{FIELDS[k]: v for k, v in config.items()})
+
+
+def _valid(config, sparse) -> bool:
+    """A stored configuration is used only if it is one the candidates could have produced."""
+    if not isinstance(config, dict) or set(config) != set(FIELDS):
+        return False
+    if not all(type(v) is int for v in config.values()):
+        return False
+    for k, block in (("BLOCK_M", sparse[0]), ("BLOCK_N", sparse[1])):
+        v = config[k]
+        if not (16 <= v <= 256 and v & (v - 1) == 0 and block % v == 0):
+            return False
+    return config["num_warps"] in (1, 2, 4, 8, 16) and 1 <= config["num_stages"] <= 8
+
+
+def _store_path():
+    from .cache import _private_dir
+    return _private_dir() / STORE_NAME
+
+
+def _load_store() -> dict:
+    """The stored winners; a missing, unreadable or malformed file counts as empty."""
+    global _STORED
+    if _STORED is None:
+        try:
+            with open(_store_path(), encoding="utf-8") as f:
+                data = json.load(f)
+            entries = data["entries"] if data.get("version") == STORE_VERSION else {}
+            _STORED = {k: v for k, v in entries.items() if isinstance(k, str) and isinstance(v, dict)}
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            _STORED = {}
+    return _STORED
+
+
+def _save_winner(key: str, entry: dict) -> None:
+    from .cache import _write_atomically
+    with _LOCK:
+        stored = _load_store()
+        stored[key] = entry
+        try:
+            _write_atomically(_store_path(), json.dumps(
+                {"version": STORE_VERSION, "entries": stored}, indent=1, sort_keys=True))
+        except OSError as e:     # a read-only cache still tunes, it just cannot remember
+            print(f"flexgen autotune: could not store the winner ({e})", file=sys.stderr)
+
+
+def candidates(spec: KernelSpec, sparse) -> list:
+    """The configurations the autotuner tries for ``spec`` (tiles dividing the sparse blocks)."""
+    big_head = max(spec.qk_head, spec.v_head) > 128
+    found = []
+    for block_m in (32, 64, 128):
+        for block_n in (32, 64, 128):
+            if sparse[0] % block_m or sparse[1] % block_n:
+                continue
+            if big_head and block_m * block_n > 64 * 64:
+                continue              # 256-wide heads: larger tiles cannot fit in shared memory
+            for num_warps in (4, 8):
+                if num_warps == 8 and block_m < 64:
+                    continue
+                for num_stages in (2, 3, 4):
+                    found.append(dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+                                      num_stages=num_stages))
+    return found
+
+
+def tunable(spec: KernelSpec) -> bool:
+    """Kernels that give the same result when launched again (no atomic accumulation)."""
+    return not getattr(spec, "scatters", ())
+
+
+def choose(spec: KernelSpec, device: torch.device, inputs, sparse, launch) -> KernelSpec:
+    """The spec to launch: a stored winner, a fresh search (autotune mode), or ``spec`` itself.
+
+    ``launch(spec)`` runs the kernel of a spec on the call's inputs.
+    """
+    bucket = _bucket(inputs)
+    memo = (spec.key, bucket)
+    chosen = _CHOSEN.get(memo)
+    if chosen is not None:
+        return chosen
+    with _LOCK:
+        key = _store_key(spec, device, bucket)
+        entry = _load_store().get(key)
+        if isinstance(entry, dict) and _valid(entry.get("config"), sparse):
+            chosen = _with(spec, entry["config"])
+        elif _ACTIVE[0] and tunable(spec):
+            config, ms, timings = _search(spec, device, sparse, launch)
+            chosen = _with(spec, config)
+            _save_winner(key, {"config": config, "ms": ms, "kernel": spec.kernel_name,
+                               "gpu": gpu_name(device), "bucket": list(bucket),
+                               "timings": timings})
+        else:
+            # Outside autotune mode an unseen bucket launches the table's choice;
+            # remember that only until autotuning is switched on.
+            return spec
+        _CHOSEN[memo] = chosen
+    return chosen
+
+
+def needs_lookup() -> bool:
+    """Whether launches should ask ``choose`` at all (autotune on, or winners on disk)."""
+    return _ACTIVE[0] or bool(_load_store())
+
+
+def _progress(total: int, label: str):
+    try:
+        from tqdm import tqdm
+        return tqdm(total=total, desc=label, file=sys.stderr, leave=False)
+    except ImportError:
+        return _Bar(total, label)
+
+
+class _Bar:
+    """A one-line progress bar for when tqdm is not installed."""
+
+    def __init__(self, total, label):
+        self.total, self.label, self.done, self.postfix = total, label, 0, ""
+
+    def update(self, n=1):
+        self.done += n
+        width = 30
+        filled = width * self.done // max(self.total, 1)
+        sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] "
+                         f"{self.done}/{self.total} {self.postfix}")
+        sys.stderr.flush()
+
+    def set_postfix_str(self, text):
+        self.postfix = text
+
+    def close(self):
+        sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _search(spec: KernelSpec, device, sparse, launch) -> tuple:
+    """(fastest configuration, its median ms, every [configuration, ms]) over the candidates.
+
+    A candidate that does not compile or run (too much shared memory) times as None.
+    """
+    import triton.testing
+
+    configs = candidates(spec, sparse)
+    current = {k: getattr(spec, f) for k, f in FIELDS.items()}
+    if current not in configs:
+        configs.insert(0, current)
+    best, best_ms, timings = current, math.inf, []
+    with _progress(len(configs), f"flexgen autotune {spec.kernel_name}") as bar:
+        for config in configs:
+            candidate = _with(spec, config)
+            try:
+                launch(candidate)                   # compiles; a config that cannot fit fails here
+                ms = triton.testing.do_bench(lambda: launch(candidate), warmup=5, rep=20)
+            except Exception as e:                  # noqa: BLE001 - out of resources, compile error
+                if "out of resource" not in str(e).lower() and "shared memory" not in str(e).lower():
+                    print(f"\nflexgen autotune: {config} failed: {type(e).__name__}: {e}", file=sys.stderr)
+                ms = math.inf
+            timings.append([config, None if ms == math.inf else ms])
+            if ms < best_ms:
+                best, best_ms = config, ms
+            bar.set_postfix_str(f"best {best_ms:.3f} ms {best}")
+            bar.update(1)
+    return best, (None if best_ms == math.inf else best_ms), timings
+
+
+__all__ = ["autotune", "options", "table_row", "candidates", "choose", "gpu_name", "TUNED",
+           "DEFAULTS", "KERNELS"]
