@@ -136,10 +136,7 @@ def _prepare(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel
         check_buffers(mask_traced, device)
         mask = lower(mask_traced)
         mask_buffers = mask_traced.buffers
-        lists = [t.expand(B, Hq, *t.shape[2:]) for t in (
-            block_mask.kv_num_blocks, block_mask.kv_indices,
-            block_mask.full_kv_num_blocks, block_mask.full_kv_indices)]
-        sparse = (*lists, sparse_q, sparse_kv)
+        sparse = (*block_mask.broadcast_lists("kv", B, Hq), sparse_q, sparse_kv)
 
     opts = _options("forward", kernel_options, max(D, Dv), DTYPES[query.dtype], device,
                     sparse_q, sparse_kv)

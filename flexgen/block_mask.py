@@ -53,6 +53,23 @@ class BlockMask:
         self.mask_mod = mask_mod
         self.seq_lengths = tuple(seq_lengths)
         self._traced = None
+        self._broadcast = (None, None)      # (key, lists) of the last broadcast_lists call
+
+    def broadcast_lists(self, which: str, B: int, H: int) -> tuple:
+        """(num, indices, full_num, full_indices) of the "kv" or "q" lists as [B, H, ...] views.
+
+        A training loop passes the same mask every step: the views are reused
+        while the list tensors are the same objects (a reassigned field misses).
+        """
+        names = [f"{p}{which}_{n}" for p, n in (("", "num_blocks"), ("", "indices"),
+                                                ("full_", "num_blocks"), ("full_", "indices"))]
+        tensors = [getattr(self, n) for n in names]
+        key = (which, B, H, *map(id, tensors))
+        cached_key, lists = self._broadcast
+        if cached_key != key:
+            lists = tuple(t.expand(B, H, *t.shape[2:]) for t in tensors)
+            self._broadcast = (key, lists)
+        return lists
 
     @classmethod
     def from_states(cls, states: torch.Tensor, BLOCK_SIZE, mask_mod, seq_lengths) -> "BlockMask":
