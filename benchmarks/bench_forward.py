@@ -588,6 +588,34 @@ def parse_lengths(text):
     return out
 
 
+def case_grid(args, known, default_cases, parser) -> list:
+    """(D, variant, L) cases from --variants/--lengths/--dims, or the default list."""
+    if not (args.variants or args.lengths or args.dims):
+        return list(default_cases)
+    variants = [v.strip() for v in (args.variants or "full,causal").split(",") if v.strip()]
+    bad = [v for v in variants if v not in known]
+    if bad:
+        parser.error(f"unknown variants {bad}; known: {', '.join(known)}")
+    lengths = parse_lengths(args.lengths or "2k,16k")
+    dims = [int(d) for d in (args.dims or "128").split(",") if d.strip()]
+    return [(D, v, L) for D in dims for L in sorted(lengths, reverse=True) for v in variants]
+
+
+def output_path(args, name, env) -> str:
+    """Where the JSON goes: --out or $OUT as ``name``.json, else a dated name in benchmarks/results."""
+    out_dir = args.out or os.environ.get("OUT")
+    if not out_dir:
+        out_dir = (os.path.join("/tmp", "flexgen_bench_smoke") if args.smoke
+                   else os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    os.makedirs(out_dir, exist_ok=True)
+    if args.out or os.environ.get("OUT") or args.smoke:
+        stem = name
+    else:   # several runs accumulate in benchmarks/results
+        slug = re.sub(r"[^A-Za-z0-9]+", "-", env["device_name"]).strip("-").lower()
+        stem = f"{name}_{slug}_{env['date'][:16].replace(':', '').replace('-', '')}"
+    return os.path.join(out_dir, stem + ".json")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variants", default="", help=f"comma list among {','.join(ALL_VARIANTS)}")
@@ -620,29 +648,9 @@ def main(argv=None) -> int:
             args.dims = "64"
         if not args.variants:
             args.variants = ",".join(ALL_VARIANTS)
-    if args.variants or args.lengths or args.dims:
-        variants = [v.strip() for v in (args.variants or "full,causal").split(",") if v.strip()]
-        bad = [v for v in variants if v not in ALL_VARIANTS]
-        if bad:
-            ap.error(f"unknown variants {bad}; known: {', '.join(ALL_VARIANTS)}")
-        lengths = parse_lengths(args.lengths or "2k,16k")
-        dims = [int(d) for d in (args.dims or "128").split(",") if d.strip()]
-        grid = [(D, v, L) for D in dims for L in sorted(lengths, reverse=True) for v in variants]
-    else:
-        grid = list(DEFAULT_CASES)
-
-    out_dir = args.out or os.environ.get("OUT")
-    if not out_dir:
-        out_dir = (os.path.join("/tmp", "flexgen_bench_smoke") if args.smoke
-                   else os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    os.makedirs(out_dir, exist_ok=True)
+    grid = case_grid(args, ALL_VARIANTS, DEFAULT_CASES, ap)
     env = environment(cuda)
-    if args.out or os.environ.get("OUT") or args.smoke:
-        stem = "bench_forward"
-    else:   # several runs accumulate in benchmarks/results
-        slug = re.sub(r"[^A-Za-z0-9]+", "-", env["device_name"]).strip("-").lower()
-        stem = f"bench_forward_{slug}_{env['date'][:16].replace(':', '').replace('-', '')}"
-    json_path = os.path.join(out_dir, stem + ".json")
+    json_path = output_path(args, "bench_forward", env)
 
     timer = Timer(cuda)
     signal.signal(signal.SIGTERM, _raise)
@@ -737,7 +745,7 @@ def main(argv=None) -> int:
     write_json(json_path, payload)
     png = None
     try:
-        png = plot(payload, os.path.join(out_dir, stem + ".png"))
+        png = plot(payload, json_path[:-len(".json")] + ".png")
     except Exception as e:
         print(f"plot failed: {type(e).__name__}: {e}")
     summary = table(payload)

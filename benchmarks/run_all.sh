@@ -3,30 +3,33 @@
 #
 #   bash benchmarks/run_all.sh            # results and logs in $OUT (default benchmarks/results)
 #   SMOKE=1 bash benchmarks/run_all.sh    # the same steps on CPU at tiny sizes (tests the scripts)
+#   STEPS=tune,backward bash benchmarks/run_all.sh
 #
-# Steps, each bounded in time, each run even when an earlier one failed:
+# Steps (STEPS, comma-separated, in this order; default check,forward,backward,decode), each
+# bounded in time, each run even when an earlier one failed:
 #   0. report the machine and the Python packages flexgen needs (no internet there: nothing is fetched)
 #   1. pip install --no-deps --no-build-isolation --no-index -e .   (falls back to a copied tree on PYTHONPATH)
-#   2. benchmarks/gpu_check.py      correctness at B=2 H=8 L=2048 D=128 against the float32 reference
-#   3. benchmarks/bench_forward.py  forward speed vs torch.compile(flex_attention) and SDPA
-#   4. benchmarks/bench_decode.py   if it exists
+#   check     benchmarks/gpu_check.py       correctness at B=2 H=8 L=2048 D=128 against the float32 reference
+#   tune      benchmarks/tune.py            measures rows of flexgen.tuning.TUNED (prints them)
+#   gputests  pytest on the GPU: tests/test_tuning.py and tests/test_backward.py
+#   forward   benchmarks/bench_forward.py   forward speed vs torch.compile(flex_attention) and SDPA
+#   backward  benchmarks/bench_backward.py  backward and forward+backward speed vs the same peers
+#   decode    benchmarks/bench_decode.py    decode (q_len=1), contiguous and paged, vs copy bandwidth
+#   cold      benchmarks/bench_cold_start.py  a never-seen mod in a fresh process, vs torch.compile
+#   host      benchmarks/profile_host.py    where a warm call's host time goes
 # Then the summaries again, last, so they end up in the tail of the output.
 #
-# Environment (seconds unless said):
-#   TOTAL_BUDGET_S=440       the whole script, install included (keep under the 8-minute hard limit)
-#   GPU_CHECK_BUDGET_S=100   gpu_check stops starting cases after this (0 skips the step)
-#   DECODE_BUDGET_S=70       bench_decode's share (reserved out of the forward benchmark's time)
-#   BENCH_FORWARD_ARGS=""    extra arguments, e.g. "--variants full,causal --lengths 1k,2k,4k,8k,16k --dims 64,128"
-#   BENCH_DECODE_ARGS=""     extra arguments for bench_decode.py
-#   PYTHON=python3  SMOKE=0
+# Environment (seconds): TOTAL_BUDGET_S=560 for the whole script; each step's budget is
+# <STEP>_BUDGET_S (defaults: CHECK 100, TUNE 240, GPUTESTS 90, FORWARD 240, BACKWARD 150, DECODE 70,
+# COLD 90, HOST 30), cut to what is left. Extra arguments: BENCH_FORWARD_ARGS, BENCH_BACKWARD_ARGS,
+# BENCH_DECODE_ARGS, TUNE_ARGS, COLD_ARGS.  PYTHON=python3  SMOKE=0
 set -u -o pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
 PY=${PYTHON:-python3}
 SMOKE=${SMOKE:-0}
-TOTAL=${TOTAL_BUDGET_S:-440}
-CHECK_BUDGET=${GPU_CHECK_BUDGET_S:-100}
-DECODE_BUDGET=${DECODE_BUDGET_S:-70}
+TOTAL=${TOTAL_BUDGET_S:-560}
+STEPS=${STEPS:-check,forward,backward,decode}
 if [ -z "${OUT:-}" ]; then
     if [ "$SMOKE" = 1 ]; then OUT=/tmp/flexgen-run-all-smoke; else OUT=$ROOT/benchmarks/results; fi
 fi
@@ -41,6 +44,51 @@ SMOKE_ARG=""
 
 elapsed() { echo $((SECONDS - START)); }
 left() { echo $((TOTAL - (SECONDS - START))); }
+
+budget_of() {     # the step's budget, cut to the time left
+    local want
+    case $1 in
+        check) want=${CHECK_BUDGET_S:-100} ;;  tune) want=${TUNE_BUDGET_S:-240} ;;
+        gputests) want=${GPUTESTS_BUDGET_S:-90} ;;  forward) want=${FORWARD_BUDGET_S:-240} ;;
+        backward) want=${BACKWARD_BUDGET_S:-150} ;;  decode) want=${DECODE_BUDGET_S:-70} ;;
+        cold) want=${COLD_BUDGET_S:-90} ;;  host) want=${HOST_BUDGET_S:-30} ;;  *) want=0 ;;
+    esac
+    local rest=$(( $(left) - 10 ))
+    [ "$want" -gt "$rest" ] && want=$rest
+    echo "$want"
+}
+
+run_step() {
+    local step=$1 budget log summary
+    budget=$(budget_of "$step")
+    if [ "$budget" -lt 20 ]; then
+        echo "== $step: only ${budget}s left (or unknown step), skipped"
+        return
+    fi
+    echo "== $step, budget ${budget}s ($(elapsed)s)"
+    log=$SUMMARY_DIR/$step.log
+    summary=$SUMMARY_DIR/$(printf '%02d' "$(ls "$SUMMARY_DIR" | wc -l)")_$step.txt
+    local -a cmd
+    case $step in
+        check)    cmd=("$PY" benchmarks/gpu_check.py $SMOKE_ARG --budget "$budget") ;;
+        tune)     cmd=("$PY" benchmarks/tune.py $SMOKE_ARG --budget "$budget" ${TUNE_ARGS:-}) ;;
+        # From /tmp: `python -m` puts the cwd first on sys.path, and the repository's
+        # flexgen/ there lacks the mods/templates mapping of the installed package.
+        gputests) cmd=(bash -c "cd /tmp && FLEXGEN_TEST_AOT=0 '$PY' -m pytest -q -p no:cacheprovider \
+                       '$ROOT/tests/test_tuning.py' '$ROOT/tests/test_backward.py' -k 'gpu or tuning'") ;;
+        forward)  cmd=("$PY" benchmarks/bench_forward.py $SMOKE_ARG --budget "$budget" ${BENCH_FORWARD_ARGS:-}) ;;
+        backward) cmd=("$PY" benchmarks/bench_backward.py $SMOKE_ARG --budget "$budget" ${BENCH_BACKWARD_ARGS:-}) ;;
+        decode)   cmd=("$PY" benchmarks/bench_decode.py $SMOKE_ARG --budget "$((budget - 10))" ${BENCH_DECODE_ARGS:-}) ;;
+        cold)     cmd=("$PY" benchmarks/bench_cold_start.py $SMOKE_ARG --budget "$budget" ${COLD_ARGS:-}) ;;
+        host)     cmd=("$PY" benchmarks/profile_host.py $SMOKE_ARG) ;;
+    esac
+    GPU_CHECK_SUMMARY=$summary BENCH_FORWARD_SUMMARY=$summary BENCH_BACKWARD_SUMMARY=$summary \
+    BENCH_COLD_START_SUMMARY=$summary \
+        timeout -k 10 $((budget + 20)) "${cmd[@]}" 2>&1 | tee "$log"
+    echo "  $step exit ${PIPESTATUS[0]}"
+    # Scripts without a summary file of their own: their table is the end of their output.
+    [ -s "$summary" ] || tail -n 30 "$log" > "$summary"
+}
 
 main() {
     echo "== run_all: $(date -u +%FT%TZ), budget ${TOTAL}s, OUT=$OUT, smoke=$SMOKE"
@@ -86,44 +134,9 @@ EOF
     "$PY" -c "import flexgen, flexgen.mods, flexgen.templates; print('  flexgen', flexgen.__version__, 'from', flexgen.__file__)" \
         || echo "  flexgen NOT importable: the steps below will fail"
 
-    if [ "$CHECK_BUDGET" -gt 0 ]; then
-        echo "== 2. gpu_check, budget ${CHECK_BUDGET}s ($(elapsed)s)"
-        GPU_CHECK_SUMMARY=$SUMMARY_DIR/1_gpu_check.txt \
-            timeout -k 10 $((CHECK_BUDGET + 40)) "$PY" benchmarks/gpu_check.py $SMOKE_ARG --budget "$CHECK_BUDGET"
-        echo "  gpu_check exit $?"
-    fi
-
-    decode_reserve=0
-    [ -f benchmarks/bench_decode.py ] && decode_reserve=$DECODE_BUDGET
-    fwd=$(( $(left) - decode_reserve - 15 ))
-    [ "$fwd" -lt 60 ] && fwd=$(( $(left) - 15 ))     # short of time: bench_decode gives its share up
-    [ "$fwd" -lt 30 ] && fwd=30
-    echo "== 3. bench_forward, budget ${fwd}s ($(elapsed)s)"
-    # shellcheck disable=SC2086
-    BENCH_FORWARD_SUMMARY=$SUMMARY_DIR/2_bench_forward.txt \
-        timeout -k 10 $((fwd + 20)) "$PY" benchmarks/bench_forward.py $SMOKE_ARG --budget "$fwd" ${BENCH_FORWARD_ARGS:-}
-    echo "  bench_forward exit $?"
-
-    if [ -f benchmarks/bench_decode.py ]; then
-        dec=$(( $(left) - 5 ))
-        [ "$dec" -gt "$DECODE_BUDGET" ] && dec=$DECODE_BUDGET
-    fi
-    if [ -f benchmarks/bench_decode.py ] && [ "$dec" -lt 25 ]; then
-        echo "== 4. bench_decode: only ${dec}s left, skipped"
-    elif [ -f benchmarks/bench_decode.py ]; then
-        echo "== 4. bench_decode, budget ${dec}s ($(elapsed)s)"
-        extra=""
-        grep -q -- "--budget" benchmarks/bench_decode.py && extra="--budget $((dec - 10))"
-        [ "$SMOKE" = 1 ] && { grep -q -- "--smoke" benchmarks/bench_decode.py && extra="$extra --smoke"; }
-        # shellcheck disable=SC2086
-        BENCH_DECODE_BUDGET_S=$((dec - 10)) timeout -k 5 "$dec" "$PY" benchmarks/bench_decode.py $extra ${BENCH_DECODE_ARGS:-} \
-            2>&1 | tee "$SUMMARY_DIR/decode.log"
-        echo "  bench_decode exit ${PIPESTATUS[0]}"
-        # its table is the end of its output
-        tail -n 24 "$SUMMARY_DIR/decode.log" > "$SUMMARY_DIR/3_bench_decode.txt"
-    else
-        echo "== 4. bench_decode: benchmarks/bench_decode.py not there, skipped"
-    fi
+    for step in ${STEPS//,/ }; do
+        run_step "$step"
+    done
 
     if command -v nvidia-smi >/dev/null 2>&1; then
         nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active --format=csv,noheader || true
