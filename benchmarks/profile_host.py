@@ -71,6 +71,7 @@ def main(argv=None) -> int:
         module = cache.load(call.spec, interpret=device.type != "cuda")
         grid, largs, constexprs = module.arguments(*inputs)
         options = dict(num_warps=module.NUM_WARPS, num_stages=module.NUM_STAGES)
+        constexprs = dict(constexprs, DOT_UPCAST=False)     # as launch.run passes it on a GPU
         stages = {
             "whole call": whole,
             "plan (_prepare)": lambda: api._prepare(q, k, v, kwargs.get("score_mod"), kwargs.get("block_mask"),

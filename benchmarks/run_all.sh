@@ -75,7 +75,7 @@ run_step() {
         # From /tmp: `python -m` puts the cwd first on sys.path, and the repository's
         # flexgen/ there lacks the mods/templates mapping of the installed package.
         gputests) cmd=(bash -c "cd /tmp && FLEXGEN_TEST_AOT=0 '$PY' -m pytest -q -p no:cacheprovider \
-                       '$ROOT/tests/test_tuning.py' '$ROOT/tests/test_backward.py' -k 'gpu or tuning'") ;;
+                       '$ROOT/tests/test_tuning.py' '$ROOT/tests/test_backward.py' -k '${GPUTESTS_K:-gpu or tuning}' --tb=short") ;;
         forward)  cmd=("$PY" benchmarks/bench_forward.py $SMOKE_ARG --budget "$budget" ${BENCH_FORWARD_ARGS:-}) ;;
         backward) cmd=("$PY" benchmarks/bench_backward.py $SMOKE_ARG --budget "$budget" ${BENCH_BACKWARD_ARGS:-}) ;;
         decode)   cmd=("$PY" benchmarks/bench_decode.py $SMOKE_ARG --budget "$((budget - 10))" ${BENCH_DECODE_ARGS:-}) ;;
