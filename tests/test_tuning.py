@@ -225,6 +225,12 @@ def test_progress_bar_without_tqdm(capsys):
 def test_autotune_on_the_gpu(fresh_store, monkeypatch):
     """A real search: every candidate compiles or is skipped, the winner's output is right."""
     monkeypatch.setattr(tuning, "gpu_name", lambda device: "test-gpu")
+    # A few candidates (compiling all of them takes minutes), one with 128 x 128 tiles at
+    # 4 stages that may not fit in shared memory: it must be skipped, not fatal.
+    monkeypatch.setattr(tuning, "candidates", lambda spec, sparse: [
+        dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+        dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3),
+        dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4)])
     q, k, v = make_qkv(2, 4, 1000, 64, device="cuda", dtype=torch.bfloat16)
     block_mask = flexgen.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None,
                                            1000, 1000, device="cuda")
