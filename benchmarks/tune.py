@@ -147,7 +147,7 @@ def report(out, gpu, device, dtype_name, cases, tokens, heads, specs_by_name) ->
 
 
 def print_rows(rows, gpu, dtype_name):
-    dt = {"bfloat16": "bf16", "float32": "fp32"}[dtype_name]
+    dt = dtype_name       # the spec's dtype names are torch's
     print(f"\n# {gpu}, {dt}: geometric mean over the cases of time / the case's best "
           f"({datetime.date.today()}, benchmarks/tune.py)")
     for (kernel, D), (config, slowdown, n) in sorted(rows.items()):

@@ -61,12 +61,12 @@ DEFAULTS = {"forward": _FORWARD, "backward.dq": _BACKWARD, "backward.dkdv": _BAC
 # H100 SXM, torch 2.11, triton 3.6, 2026-11-23 (benchmarks/results/tune_h100_20261123.json),
 # cases: full and causal, 16 heads x 16k tokens.
 TUNED: dict = {
-    ("forward", "H100", "bf16", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),     # 5-11%
-    ("forward", "H100", "bf16", 128): dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),  # 3-16%
-    ("backward.dq", "H100", "bf16", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),     # 0%
-    ("backward.dq", "H100", "bf16", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),   # 11-13%
-    ("backward.dkdv", "H100", "bf16", 64): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2),  # 0-3%
-    ("backward.dkdv", "H100", "bf16", 128): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),  # 0%
+    ("forward", "H100", "bfloat16", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),     # 5-11%
+    ("forward", "H100", "bfloat16", 128): dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),  # 3-16%
+    ("backward.dq", "H100", "bfloat16", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),     # 0%
+    ("backward.dq", "H100", "bfloat16", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),   # 11-13%
+    ("backward.dkdv", "H100", "bfloat16", 64): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2),  # 0-3%
+    ("backward.dkdv", "H100", "bfloat16", 128): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),  # 0%
 }
 
 
@@ -85,13 +85,16 @@ def _gpu_name(index: int) -> str:
 
 
 def table_row(kernel: str, head_dim: int, dtype: str, device: torch.device) -> dict:
-    """The configuration the table gives a kernel (before clamping to sparse blocks)."""
+    """The configuration the table gives a kernel (before clamping to sparse blocks).
+
+    ``dtype`` is the spec's name for it: "bfloat16", "float16" or "float32".
+    """
     if device.type != "cuda":
         return dict(DEFAULTS[kernel]["cpu"])
     padded = pad_head_dim(head_dim)
     gpu = gpu_name(device)
     # fp16 and bf16 tiles cost the same: one stands in for the other.
-    for dt in (dtype, {"bf16": "fp16", "fp16": "bf16"}.get(dtype)):
+    for dt in (dtype, {"bfloat16": "float16", "float16": "bfloat16"}.get(dtype)):
         row = TUNED.get((kernel, gpu, dt, padded))
         if row is not None:
             return dict(row)

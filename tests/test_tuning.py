@@ -12,6 +12,7 @@ import torch
 
 import flexgen
 from flexgen import tuning
+from flexgen.checks import DTYPES
 from flexgen.spec import KernelSpec
 
 from conftest import make_qkv, run_and_check
@@ -36,7 +37,7 @@ def _new_process(monkeypatch):
 
 
 def _spec(**fields):
-    base = dict(qk_head=64, v_head=64, dtype="bf16", block_m=128, block_n=64, num_warps=4,
+    base = dict(qk_head=64, v_head=64, dtype="bfloat16", block_m=128, block_n=64, num_warps=4,
                 num_stages=3)
     return KernelSpec("forward", **{**base, **fields})
 
@@ -68,29 +69,29 @@ def fake_clock(monkeypatch):
 
 
 def test_cpu_uses_the_interpreter_row():
-    assert tuning.options("forward", 128, "bf16", torch.device("cpu"), 128, 128) == tuning.DEFAULTS["forward"]["cpu"]
+    assert tuning.options("forward", 128, "bfloat16", torch.device("cpu"), 128, 128) == tuning.DEFAULTS["forward"]["cpu"]
 
 
 def test_table_lookup_order(monkeypatch):
     monkeypatch.setattr(tuning, "gpu_name", lambda device: "H100")
     row = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2)
-    monkeypatch.setattr(tuning, "TUNED", {("forward", "H100", "bf16", 128): row})
-    assert tuning.table_row("forward", 128, "bf16", CUDA) == row
-    assert tuning.table_row("forward", 80, "bf16", CUDA) == row, "80 pads to the 128 row"
-    assert tuning.table_row("forward", 128, "fp16", CUDA) == row, "fp16 falls back to bf16's row"
-    assert tuning.table_row("forward", 128, "fp32", CUDA) == tuning.DEFAULTS["forward"][128]
-    assert tuning.table_row("forward", 64, "bf16", CUDA) == tuning.DEFAULTS["forward"][64]
+    monkeypatch.setattr(tuning, "TUNED", {("forward", "H100", "bfloat16", 128): row})
+    assert tuning.table_row("forward", 128, "bfloat16", CUDA) == row
+    assert tuning.table_row("forward", 80, "bfloat16", CUDA) == row, "80 pads to the 128 row"
+    assert tuning.table_row("forward", 128, "float16", CUDA) == row, "fp16 falls back to bf16's row"
+    assert tuning.table_row("forward", 128, "float32", CUDA) == tuning.DEFAULTS["forward"][128]
+    assert tuning.table_row("forward", 64, "bfloat16", CUDA) == tuning.DEFAULTS["forward"][64]
     monkeypatch.setattr(tuning, "gpu_name", lambda device: "A100")
-    assert tuning.table_row("forward", 128, "bf16", CUDA) == tuning.DEFAULTS["forward"][128]
+    assert tuning.table_row("forward", 128, "bfloat16", CUDA) == tuning.DEFAULTS["forward"][128]
     # clamped to the sparse blocks, and the table itself is not modified
-    assert tuning.options("forward", 128, "bf16", CUDA, 64, 32)["BLOCK_N"] == 32
+    assert tuning.options("forward", 128, "bfloat16", CUDA, 64, 32)["BLOCK_N"] == 32
     monkeypatch.setattr(tuning, "gpu_name", lambda device: "H100")
-    assert tuning.table_row("forward", 128, "bf16", CUDA)["BLOCK_N"] == 128
+    assert tuning.table_row("forward", 128, "bfloat16", CUDA)["BLOCK_N"] == 128
 
 
 def test_checked_in_table_is_well_formed():
     for (kernel, gpu, dtype, head), config in tuning.TUNED.items():
-        assert kernel in tuning.KERNELS and dtype in ("bf16", "fp16", "fp32") and head in (64, 128, 256)
+        assert kernel in tuning.KERNELS and dtype in DTYPES.values() and head in (64, 128, 256)
         assert tuning._valid(config, (128, 128)), (kernel, gpu, dtype, head, config)
 
 
@@ -186,7 +187,7 @@ def test_kernels_that_accumulate_are_not_tuned(fresh_store, fake_clock):
     from flexgen.backward import BackwardSpec
     launch_fn, timed = fake_clock
     accumulating = BackwardSpec("backward", part="dq", scatters=("grad",), qk_head=64, v_head=64,
-                                dtype="bf16", block_m=64, block_n=64)
+                                dtype="bfloat16", block_m=64, block_n=64)
     with flexgen.autotune():
         assert tuning.choose(accumulating, CUDA, _inputs(), (128, 128), launch_fn) is accumulating
     assert timed == []
@@ -238,3 +239,12 @@ def test_autotune_on_the_gpu(fresh_store, monkeypatch):
         run_and_check(q, k, v, block_mask=block_mask)
     (entry,) = json.loads((fresh_store / tuning.STORE_NAME).read_text())["entries"].values()
     assert entry["ms"] > 0 and tuning._valid(entry["config"], (128, 128))
+
+
+def test_flex_attention_reads_the_table_with_its_own_dtype_names(monkeypatch):
+    """The planning code and the table must agree on the key (a dtype spelled differently never matches)."""
+    from flexgen import api
+    monkeypatch.setattr(tuning, "gpu_name", lambda device: "H100")
+    for dtype in (torch.bfloat16, torch.float16):
+        opts = api._options("forward", None, 128, DTYPES[dtype], CUDA, 128, 128)
+        assert opts == tuning.TUNED[("forward", "H100", "bfloat16", 128)]
