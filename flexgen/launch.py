@@ -65,11 +65,37 @@ def run(spec: KernelSpec, device: torch.device, *inputs, tune_blocks: tuple | No
     (``flexgen.tuning``).
     """
     if tune_blocks is not None and device.type == "cuda" and tuning.needs_lookup():
-        spec = tuning.choose(spec, device, inputs, tune_blocks, lambda s: _launch(s, device, inputs))
+        # The search must see a candidate that does not fit fail, not quietly shrink.
+        spec = tuning.choose(spec, device, inputs, tune_blocks,
+                             lambda s: _launch_once(s, device, inputs))
     _launch(spec, device, inputs)
 
 
+# spec key -> the smaller spec that fits: a mod that keeps more tiles live (a
+# gathered bias table, say) can need more shared memory than the table's tiles allow.
+_FITS: dict = {}
+
+
 def _launch(spec: KernelSpec, device: torch.device, inputs) -> None:
+    """Launch, stepping down to smaller tiles when the GPU says they do not fit."""
+    from triton.runtime.errors import OutOfResources
+
+    first = spec
+    spec = _FITS.get(first.key, first)
+    while True:
+        try:
+            _launch_once(spec, device, inputs)
+            break
+        except OutOfResources:
+            smaller = tuning.smaller(spec) if not uses_interpreter(device) else None
+            if smaller is None:
+                raise
+            spec = smaller
+    if spec is not first:
+        _FITS[first.key] = spec
+
+
+def _launch_once(spec: KernelSpec, device: torch.device, inputs) -> None:
     interpret = uses_interpreter(device)
     module = cache.load(spec, interpret=interpret)
     grid, args, constexprs = module.arguments(*inputs)

@@ -223,6 +223,26 @@ def candidates(spec: KernelSpec, sparse) -> list:
     return found
 
 
+def smaller(spec: KernelSpec) -> KernelSpec | None:
+    """The next configuration to try when ``spec``'s tiles do not fit, or None.
+
+    Fewer pipeline stages first (they cost least), then narrower key tiles,
+    then fewer query rows. Only forward and backward kernels: their tiles are
+    free as long as they divide the sparse blocks, which halving keeps.
+    """
+    if spec.template not in ("forward", "backward"):
+        return None
+    if spec.num_stages > 2:
+        return dataclasses.replace(spec, num_stages=spec.num_stages - 1)
+    if spec.block_n > 32:
+        return dataclasses.replace(spec, block_n=spec.block_n // 2)
+    if spec.block_m > 32:
+        return dataclasses.replace(spec, block_m=spec.block_m // 2, num_warps=min(spec.num_warps, 4))
+    if spec.num_stages > 1:
+        return dataclasses.replace(spec, num_stages=1)
+    return None
+
+
 def tunable(spec: KernelSpec) -> bool:
     """Kernels that give the same result when launched again (no atomic accumulation)."""
     return not getattr(spec, "scatters", ())

@@ -5,6 +5,7 @@ fake clock that makes one known configuration fastest, so the choice, the
 stored winner and its reuse by a fresh process are checked on CPU. The GPU
 test at the end tunes a real kernel and checks its output.
 """
+import dataclasses
 import json
 
 import pytest
@@ -248,3 +249,47 @@ def test_flex_attention_reads_the_table_with_its_own_dtype_names(monkeypatch):
     for dtype in (torch.bfloat16, torch.float16):
         opts = api._options("forward", None, 128, DTYPES[dtype], CUDA, 128, 128)
         assert opts == tuning.TUNED[("forward", "H100", "bfloat16", 128)]
+
+
+def test_tiles_that_do_not_fit_step_down(monkeypatch):
+    """OutOfResources on a GPU launch retries smaller tiles, and remembers what fit."""
+    from triton.runtime.errors import OutOfResources
+
+    from flexgen import launch
+    tried = []
+
+    def launch_once(spec, device, inputs):
+        tried.append((spec.block_m, spec.block_n, spec.num_stages))
+        if spec.block_n * spec.num_stages > 128:
+            raise OutOfResources(360448, 232448, "shared memory")
+
+    monkeypatch.setattr(launch, "_launch_once", launch_once)
+    monkeypatch.setattr(launch, "_FITS", {})
+    spec = _spec(block_m=128, block_n=128, num_stages=3)
+    launch._launch(spec, CUDA, ())
+    assert tried == [(128, 128, 3), (128, 128, 2), (128, 64, 2)]
+    tried.clear()
+    launch._launch(spec, CUDA, ())
+    assert tried == [(128, 64, 2)], "the second call goes straight to the tiles that fit"
+
+    # The autotuner's launches do not step down: a candidate that does not fit must fail.
+    def choose(spec, device, inputs, sparse, launch_fn):
+        with pytest.raises(OutOfResources):
+            launch_fn(spec)
+        return dataclasses.replace(spec, block_n=32)
+    monkeypatch.setattr(tuning, "choose", choose)
+    tried.clear()
+    with flexgen.autotune():
+        launch.run(spec, CUDA, tune_blocks=(128, 128))
+    assert tried == [(128, 128, 3), (128, 32, 3)]
+
+
+def test_smaller_tiles_keep_dividing_the_sparse_blocks():
+    spec = _spec(block_m=128, block_n=128, num_stages=4, num_warps=8)
+    seen = []
+    while spec is not None:
+        seen.append((spec.block_m, spec.block_n, spec.num_stages))
+        assert 128 % spec.block_m == 0 and 128 % spec.block_n == 0 and spec.block_n >= 32
+        spec = tuning.smaller(spec)
+    assert seen[-1] == (32, 32, 1)
+    assert tuning.smaller(KernelSpec("decode", block_m=16, block_n=64, num_stages=3)) is None
