@@ -54,19 +54,18 @@ import os
 os.environ.pop("FLEXGEN_POISON", None)
 
 import argparse  # noqa: E402
-import gc  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-import traceback  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_forward import (DOC_AVG, SDPA_VARIANTS, SOFTCAP, STOP, WINDOW, Timeout, Timer,  # noqa: E402
+from bench_forward import (DOC_AVG, SDPA_VARIANTS, SOFTCAP, WINDOW, Timeout, Timer,  # noqa: E402
                            _check_stop, _raise, count_unmasked, environment, f, make_mods,
-                           make_sets, measure_ceiling, case_grid, output_path, rotating, write_json)
+                           make_sets, measure_ceiling, case_grid, output_path, rotating, write_json,
+                           error_text, free_memory, run_grid)
 
 import flexgen  # noqa: E402
 
@@ -92,16 +91,10 @@ class SmokeTimer(Timer):
         return (time.perf_counter() - t0) * 1e3
 
 
-def free_memory(cuda):
-    """After an error (OOM above all): drop what the failed frames held and return it to the driver."""
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-
-
-def error_text(e, limit=300) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0][:limit] if text else ''}"
+def describe(r) -> str:
+    return (f"{r['variant']:<14} D={r['D']:<3} L={r['L']:<6} bwd: flexgen {r['flexgen_bwd_ms']:.3f} ms "
+            f"{r['flexgen_bwd_tflops']:.0f} TF/s | torch {f(r.get('torch_bwd_ms'), '.3f')} ms | "
+            f"sdpa {f(r.get('sdpa_best_bwd_ms'), '.3f')} ms | check {r['check']}")
 
 
 def grads(attn, q, k, v, dout):
@@ -390,46 +383,8 @@ def main(argv=None) -> int:
               + (f", {payload['ceiling']['copy_gbps']:.0f} GB/s copy" if "copy_gbps" in payload["ceiling"] else ""),
               flush=True)
         write_json(json_path, payload)
-        # A guess before any case has run (the compiles of forward and backward dominate on a GPU).
-        default_estimate = 30.0 if cuda else 5.0
-        slowest, durations = default_estimate, []
-        for i, (D, variant, L) in enumerate(grid):
-            left = deadline - time.monotonic()
-            if left < slowest:
-                payload["cases"].append(dict(variant=variant, D=D, L=L, skipped="budget"))
-                print(f"  SKIP {variant} D={D} L={L} (budget: {left:.0f} s left, a case takes ~{slowest:.0f} s)",
-                      flush=True)
-                continue
-            t0 = time.monotonic()
-            signal.setitimer(signal.ITIMER_REAL, max(5.0, min(args.case_timeout, left)))
-            try:
-                r = run_case(D, variant, L, args, timer, cuda, seed=100 + i)
-            except Timeout as e:
-                if "signal" in str(e):
-                    raise
-                r = dict(variant=variant, D=D, L=L, error=f"timeout after {time.monotonic() - t0:.0f} s")
-            except Exception as e:
-                # A library may wrap the SIGTERM's Timeout (the interpreter does): say what it was.
-                r = dict(variant=variant, D=D, L=L,
-                         error=f"stopped by signal {STOP[0]}" if STOP else error_text(e),
-                         traceback=traceback.format_exc(limit=8))
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-            r["seconds"] = time.monotonic() - t0
-            # The first case also pays torch's and Triton's one-time start-up: leave it out of the estimate.
-            durations.append(r["seconds"])
-            slowest = max(durations[1:]) if len(durations) > 1 else default_estimate
-            payload["cases"].append(r)
-            if "error" in r:
-                print(f"  ERROR {variant} D={D} L={L}: {r['error']}", flush=True)
-            else:
-                print(f"  {variant:<14} D={D:<3} L={L:<6} bwd: flexgen {r['flexgen_bwd_ms']:.3f} ms "
-                      f"{r['flexgen_bwd_tflops']:.0f} TF/s | torch {f(r.get('torch_bwd_ms'), '.3f')} ms | "
-                      f"sdpa {f(r.get('sdpa_best_bwd_ms'), '.3f')} ms | check {r['check']} "
-                      f"({r['seconds']:.1f} s)", flush=True)
-            free_memory(cuda)
-            write_json(json_path, payload)
-            _check_stop()
+        run_grid(grid, lambda D, variant, L, seed: run_case(D, variant, L, args, timer, cuda, seed),
+                 describe, deadline, args.case_timeout, payload, json_path, cuda)
     except (Timeout, KeyboardInterrupt) as e:
         signal.setitimer(signal.ITIMER_REAL, 0)
         print(f"bench_backward: stopped early ({e}); writing what was done", flush=True)

@@ -36,6 +36,7 @@ os.environ.pop("FLEXGEN_POISON", None)
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
@@ -616,6 +617,69 @@ def output_path(args, name, env) -> str:
     return os.path.join(out_dir, stem + ".json")
 
 
+def error_text(e, limit=300) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:limit] if text else ''}"
+
+
+def free_memory(cuda):
+    """After a case (an OOM above all): drop what the failed frames held and return it to the driver."""
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+def run_grid(grid, run_one, describe, deadline, case_timeout, payload, json_path, cuda):
+    """Run ``run_one(D, variant, L, seed)`` per case while the budget lasts; results into payload.
+
+    A case is skipped when the time left is less than the slowest case so far; one
+    that errors or passes ``case_timeout`` is recorded and the run goes on. The JSON
+    is rewritten after every case, so a run cut short keeps what it measured.
+    """
+    default_estimate = 30.0 if cuda else 5.0   # before any case ran (compiles dominate on a GPU)
+    slowest, durations = default_estimate, []
+    for i, (D, variant, L) in enumerate(grid):
+        left = deadline - time.monotonic()
+        if left < slowest:
+            payload["cases"].append(dict(variant=variant, D=D, L=L, skipped="budget"))
+            print(f"  SKIP {variant} D={D} L={L} (budget: {left:.0f} s left, a case takes ~{slowest:.0f} s)",
+                  flush=True)
+            continue
+        t0 = time.monotonic()
+        signal.setitimer(signal.ITIMER_REAL, max(5.0, min(case_timeout, left)))
+        try:
+            r = run_one(D, variant, L, 100 + i)
+        except Timeout as e:
+            if "signal" in str(e):
+                raise
+            r = dict(variant=variant, D=D, L=L, error=f"timeout after {time.monotonic() - t0:.0f} s")
+        except Exception as e:
+            # A library may wrap the SIGTERM's Timeout (the interpreter does): say what it was.
+            r = dict(variant=variant, D=D, L=L,
+                     error=f"stopped by signal {STOP[0]}" if STOP else error_text(e),
+                     traceback=traceback.format_exc(limit=8))
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        r["seconds"] = time.monotonic() - t0
+        # The first case also pays torch's and Triton's one-time start-up: leave it out of the estimate.
+        durations.append(r["seconds"])
+        slowest = max(durations[1:]) if len(durations) > 1 else default_estimate
+        payload["cases"].append(r)
+        if "error" in r:
+            print(f"  ERROR {variant} D={D} L={L}: {r['error']}", flush=True)
+        else:
+            print(f"  {describe(r)} ({r['seconds']:.1f} s)", flush=True)
+        free_memory(cuda)
+        write_json(json_path, payload)
+        _check_stop()
+
+
+def describe(r) -> str:
+    return (f"{r['variant']:<15} D={r['D']:<3} L={r['L']:<6} flexgen {r['flexgen_ms']:.3f} ms "
+            f"{r['flexgen_tflops']:.0f} TF/s | torch {f(r.get('torch_ms'), '.3f')} ms | "
+            f"sdpa {f(r.get('sdpa_best_ms'), '.3f')} ms")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variants", default="", help=f"comma list among {','.join(ALL_VARIANTS)}")
@@ -670,43 +734,8 @@ def main(argv=None) -> int:
               + (f", {payload['ceiling']['copy_gbps']:.0f} GB/s copy" if "copy_gbps" in payload["ceiling"] else ""),
               flush=True)
         write_json(json_path, payload)
-        default_estimate = 30.0 if cuda else 5.0
-        slowest, durations = default_estimate, []
-        for i, (D, variant, L) in enumerate(grid):
-            left = deadline - reserve - time.monotonic()
-            if left < slowest:
-                payload["cases"].append(dict(variant=variant, D=D, L=L, skipped="budget"))
-                print(f"  SKIP {variant} D={D} L={L} (budget: {left:.0f} s left, a case takes ~{slowest:.0f} s)",
-                      flush=True)
-                continue
-            t0 = time.monotonic()
-            signal.setitimer(signal.ITIMER_REAL, max(5.0, min(args.case_timeout, left)))
-            try:
-                r = run_case(D, variant, L, args, timer, cuda, seed=100 + i)
-            except Timeout as e:
-                if "signal" in str(e):
-                    raise
-                r = dict(variant=variant, D=D, L=L, error=f"timeout after {time.monotonic() - t0:.0f} s")
-            except Exception as e:
-                r = dict(variant=variant, D=D, L=L, error=f"{type(e).__name__}: {str(e)[:300]}",
-                         traceback=traceback.format_exc(limit=8))
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-            r["seconds"] = time.monotonic() - t0
-            # The first case also pays torch's and Triton's one-time start-up: leave it out of the estimate.
-            durations.append(r["seconds"])
-            slowest = max(durations[1:]) if len(durations) > 1 else default_estimate
-            payload["cases"].append(r)
-            if "error" in r:
-                print(f"  ERROR {variant} D={D} L={L}: {r['error']}", flush=True)
-            else:
-                print(f"  {variant:<15} D={D:<3} L={L:<6} flexgen {r['flexgen_ms']:.3f} ms "
-                      f"{r['flexgen_tflops']:.0f} TF/s | torch {f(r.get('torch_ms'), '.3f')} ms | "
-                      f"sdpa {f(r.get('sdpa_best_ms'), '.3f')} ms ({r['seconds']:.1f} s)", flush=True)
-            if cuda:
-                torch.cuda.empty_cache()
-            write_json(json_path, payload)
-            _check_stop()
+        run_grid(grid, lambda D, variant, L, seed: run_case(D, variant, L, args, timer, cuda, seed),
+                 describe, deadline - reserve, args.case_timeout, payload, json_path, cuda)
 
         end = t_start + args.budget
         if not args.no_mask_bench:
