@@ -254,7 +254,8 @@ def kernel_source(query, key, value, score_mod=None, block_mask=None, scale=None
     ``part`` picks the kernel: "forward", or one of the backward pass's "dq"
     and "dkdv" (the latter two scatter gradients into the score_mod's captured
     tensors that require grad). Nothing is launched; the source is what the
-    disk cache holds for the kernel.
+    disk cache holds for the kernel, with the tile table's tiles (a winner that
+    ``flexgen.autotune`` stored for a size bucket may use others).
     """
     if part not in ("forward", "dq", "dkdv"):
         raise expected("part", '"forward", "dq" or "dkdv"', repr(part), "pick one of the three kernels")
