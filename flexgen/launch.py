@@ -48,13 +48,26 @@ def _library_interpreted():
             fn = _INTERPRETED[self.fn] = InterpretedFunction(self.fn).rewrite()
         return fn(*args, **kwargs)
 
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_tensor_with_index(tensor, scope):
+        # Older interpreters (triton 3.6) turn a scalar into an int with int() of a
+        # 1-element array, which numpy >= 2.4 refuses: `range(tl.cdiv(n, BLOCK))`
+        # in a kernel then fails. Take the element out first.
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
     with _PATCH_LOCK:
         original = JITFunction.__call__
         JITFunction.__call__ = interpreted_call
+        interpreter._patch_lang_tensor = patch_tensor_with_index
         try:
             yield
         finally:
             JITFunction.__call__ = original
+            interpreter._patch_lang_tensor = patch_tensor
 
 
 def run(spec: KernelSpec, device: torch.device, *inputs, tune_blocks: tuple | None = None) -> None:
