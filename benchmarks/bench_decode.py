@@ -48,7 +48,6 @@ import json  # noqa: E402
 import platform  # noqa: E402
 import re  # noqa: E402
 import signal  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
@@ -58,6 +57,9 @@ import torch.nn.functional as F  # noqa: E402
 
 import flexgen  # noqa: E402
 from flexgen.decode import decode_attention  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import Timer  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 64
 DTYPE = torch.bfloat16
@@ -71,29 +73,6 @@ class Timeout(BaseException):
 
 def _raise(signum, frame):
     raise Timeout("case time limit" if signum == signal.SIGALRM else f"signal {signum}")
-
-
-class Timer:
-    def __init__(self, cuda, warmup_ms=10, rep_ms=40):
-        self.cuda, self.warmup_ms, self.rep_ms = cuda, warmup_ms, rep_ms
-
-    def __call__(self, fn) -> float:
-        """Median milliseconds of one call (L2 flushed before each, on CUDA)."""
-        if self.cuda:
-            from triton.testing import do_bench
-            return float(do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median"))
-        fn()
-        times = []
-        for _ in range(2):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-
 
 def host_us(fn, timer, calls=50) -> float:
     """Warm wall time per call (µs) of ``calls`` back-to-back calls."""
@@ -393,7 +372,7 @@ def main(argv=None) -> int:
     slug = re.sub(r"[^A-Za-z0-9]+", "-", env["device_name"]).strip("-").lower()[:40]
     json_path = os.path.join(out_dir, f"bench_decode_{slug}_{env['date'][:16].replace(':', '').replace('-', '')}.json")
 
-    timer = Timer(cuda)
+    timer = Timer(cuda, warmup_ms=10, rep_ms=40)   # decode calls are short: shorter windows
     signal.signal(signal.SIGTERM, _raise)
     signal.signal(signal.SIGALRM, _raise)
     deadline = time.monotonic() + args.budget

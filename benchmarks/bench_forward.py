@@ -53,6 +53,9 @@ import torch.nn.functional as F  # noqa: E402
 import flexgen  # noqa: E402
 from flexgen import mods  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import Timer, doc_ids  # noqa: E402,F401  (bench_backward imports them from here)
+
 ALL_VARIANTS = ("full", "causal", "sliding_window", "alibi", "softcap", "document", "prefix_lm",
                 "document_causal", "softcap_causal")
 SDPA_VARIANTS = {"full": False, "causal": True}          # variant -> is_causal
@@ -86,17 +89,6 @@ def _check_stop():
 # ---------------------------------------------------------------------------
 # inputs and mods
 
-def doc_ids(B, L, device, gen) -> torch.Tensor:
-    """int32 [B, L]: each row cut at random points into about L / DOC_AVG documents."""
-    n_docs = max(2, L // DOC_AVG)
-    rows = []
-    for _ in range(B):
-        cuts = torch.randperm(L - 1, generator=gen)[: n_docs - 1] + 1
-        starts = torch.zeros(L, dtype=torch.int32)
-        starts[cuts] = 1
-        rows.append(torch.cumsum(starts, 0, dtype=torch.int32))
-    return torch.stack(rows).to(device)
-
 
 def make_mods(variant, B, H, L, device, gen):
     """(score_mod, mask_mod, mask_batch): mask_batch is B for per-row masks, else None (broadcast)."""
@@ -115,9 +107,9 @@ def make_mods(variant, B, H, L, device, gen):
     if variant == "prefix_lm":
         return None, mods.prefix_lm(L // 4), None
     if variant == "document":
-        return None, mods.document_mask(doc_ids(B, L, device, gen)), B
+        return None, mods.document_mask(doc_ids(B, L, device, gen, DOC_AVG)), B
     if variant == "document_causal":
-        return None, mods.and_masks(mods.causal_mask, mods.document_mask(doc_ids(B, L, device, gen))), B
+        return None, mods.and_masks(mods.causal_mask, mods.document_mask(doc_ids(B, L, device, gen, DOC_AVG))), B
     raise ValueError(f"unknown variant {variant!r}; known: {', '.join(ALL_VARIANTS)}")
 
 
@@ -154,29 +146,6 @@ def block_density(block_mask, B, L) -> float:
 
 # ---------------------------------------------------------------------------
 # timing
-
-class Timer:
-    """do_bench medians on CUDA; perf_counter medians on CPU (smoke runs only)."""
-
-    def __init__(self, cuda: bool, warmup_ms=25, rep_ms=100):
-        self.cuda, self.warmup_ms, self.rep_ms = cuda, warmup_ms, rep_ms
-
-    def __call__(self, fn) -> float:
-        """Median milliseconds of one call of ``fn``."""
-        if self.cuda:
-            from triton.testing import do_bench
-            return float(do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median"))
-        fn()
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
 
 
 def rotating(call, sets):
@@ -352,7 +321,7 @@ def bench_mask_build(L, timer, cuda, deadline) -> list:
     dev = "cuda" if cuda else "cpu"
     gen = torch.Generator().manual_seed(7)
     masks = [("causal", mods.causal_mask, None),
-             ("document", mods.document_mask(doc_ids(1, L, dev, gen)), 1)]
+             ("document", mods.document_mask(doc_ids(1, L, dev, gen, DOC_AVG)), 1)]
     impls = [("flexgen", lambda m, b: flexgen.create_block_mask(m, b, None, L, L, device=dev)),
              ("torch_eager", lambda m, b: torch_cbm(m, b, None, L, L, device=dev)),
              ("torch_compiled", lambda m, b: torch_cbm(m, b, None, L, L, device=dev, _compile=True))]

@@ -44,6 +44,9 @@ import flexgen  # noqa: E402
 from flexgen import mods  # noqa: E402
 from flexgen.reference import flex_attention_reference  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import doc_ids  # noqa: E402
+
 # bf16 keeps 8 bits of mantissa, fp16 11: tolerances on the output in the
 # storage dtype, against a float32 reference on the same (rounded) inputs.
 REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 3e-3, torch.float32: 1e-3}
@@ -75,15 +78,8 @@ def sizes(smoke: bool) -> SimpleNamespace:
 
 
 def random_doc_ids(B, L, device, gen) -> torch.Tensor:
-    """int32 [B, L]: each row cut into random-length documents (at least 3)."""
-    n_docs = max(3, L // 256)
-    rows = []
-    for _ in range(B):
-        cuts = torch.randperm(L - 1, generator=gen)[: n_docs - 1] + 1
-        starts = torch.zeros(L, dtype=torch.int32)
-        starts[cuts] = 1
-        rows.append(torch.cumsum(starts, 0, dtype=torch.int32))
-    return torch.stack(rows).to(device)
+    """int32 [B, L]: each row cut into random-length documents (at least 3, about 256 long)."""
+    return doc_ids(B, L, device, gen, mean_len=256, min_docs=3)
 
 
 @dataclass
