@@ -138,8 +138,8 @@ def _prepare(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel
         mask_buffers = mask_traced.buffers
         sparse = (*block_mask.broadcast_lists("kv", B, Hq), sparse_q, sparse_kv)
 
-    opts = _options("forward", kernel_options, max(D, Dv), DTYPES[query.dtype], device,
-                    sparse_q, sparse_kv)
+    opts = _options(tuning.forward_kernel(score), kernel_options, max(D, Dv), DTYPES[query.dtype],
+                    device, sparse_q, sparse_kv)
     spec = kernel_spec(
         "forward",
         **mod_fields(score, mask),

@@ -29,11 +29,16 @@ import re
 import sys
 import threading
 
+import sympy
 import torch
 
 from .spec import KernelSpec, pad_head_dim
 
-KERNELS = ("forward", "backward.dq", "backward.dkdv")
+KERNELS = ("forward", "forward:transcendental", "backward.dq", "backward.dkdv")
+# Score mods built on these keep more values live per score element (tanh's
+# temporaries, say): the widest tiles spill for them, so they have rows of their own.
+TRANSCENDENTAL = (sympy.tanh, sympy.exp, sympy.log, sympy.sin, sympy.cos, sympy.tan, sympy.atan,
+                  sympy.sinh, sympy.cosh, sympy.erf)
 FIELDS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "num_warps": "num_warps",
           "num_stages": "num_stages"}
 
@@ -63,6 +68,10 @@ DEFAULTS = {"forward": _FORWARD, "backward.dq": _BACKWARD, "backward.dkdv": _BAC
 TUNED: dict = {
     ("forward", "H100", "bfloat16", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),     # 5-11%
     ("forward", "H100", "bfloat16", 128): dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),  # 3-16%
+    # tanh softcap: the 128x128 row above was 10% (16k) and 6% (2k x 8) slower than these
+    # tiles (results/bench_forward_h100_20261123_{untuned,tuned}.json).
+    ("forward:transcendental", "H100", "bfloat16", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8,
+                                                              num_stages=3),
     ("backward.dq", "H100", "bfloat16", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),     # 0%
     ("backward.dq", "H100", "bfloat16", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),   # 11-13%
     ("backward.dkdv", "H100", "bfloat16", 64): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2),  # 0-3%
@@ -84,21 +93,34 @@ def _gpu_name(index: int) -> str:
     return f"sm{major}{minor}"
 
 
+@functools.lru_cache(maxsize=1024)
+def _is_transcendental(expr) -> bool:
+    return expr.has(*TRANSCENDENTAL)
+
+
+def forward_kernel(score) -> str:
+    """The table's name for a forward kernel with this lowered score_mod (or None)."""
+    return "forward:transcendental" if score is not None and _is_transcendental(score.expr) else "forward"
+
+
 def table_row(kernel: str, head_dim: int, dtype: str, device: torch.device) -> dict:
     """The configuration the table gives a kernel (before clamping to sparse blocks).
 
-    ``dtype`` is the spec's name for it: "bfloat16", "float16" or "float32".
+    ``dtype`` is the spec's name for it: "bfloat16", "float16" or "float32". A
+    variant ("forward:transcendental") without a row of its own uses its kernel's.
     """
+    base = kernel.split(":")[0]
     if device.type != "cuda":
-        return dict(DEFAULTS[kernel]["cpu"])
+        return dict(DEFAULTS[base]["cpu"])
     padded = pad_head_dim(head_dim)
     gpu = gpu_name(device)
     # fp16 and bf16 tiles cost the same: one stands in for the other.
-    for dt in (dtype, {"bfloat16": "float16", "float16": "bfloat16"}.get(dtype)):
-        row = TUNED.get((kernel, gpu, dt, padded))
-        if row is not None:
-            return dict(row)
-    return dict(next(DEFAULTS[kernel][d] for d in (64, 128, 256) if head_dim <= d))
+    for name in dict.fromkeys((kernel, base)):
+        for dt in (dtype, {"bfloat16": "float16", "float16": "bfloat16"}.get(dtype)):
+            row = TUNED.get((name, gpu, dt, padded))
+            if row is not None:
+                return dict(row)
+    return dict(next(DEFAULTS[base][d] for d in (64, 128, 256) if head_dim <= d))
 
 
 def options(kernel: str, head_dim: int, dtype: str, device: torch.device,

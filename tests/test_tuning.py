@@ -293,3 +293,27 @@ def test_smaller_tiles_keep_dividing_the_sparse_blocks():
         spec = tuning.smaller(spec)
     assert seen[-1] == (32, 32, 1)
     assert tuning.smaller(KernelSpec("decode", block_m=16, block_n=64, num_stages=3)) is None
+
+
+def test_transcendental_score_mods_use_their_own_row(monkeypatch):
+    from flexgen.lowering import lower
+    from flexgen.trace import trace_cached
+    monkeypatch.setattr(tuning, "gpu_name", lambda device: "H100")
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 20.0 * torch.tanh(score / 20.0)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + (kv_idx - q_idx) * 0.25
+
+    assert tuning.forward_kernel(lower(trace_cached(softcap, "score_mod"))) == "forward:transcendental"
+    assert tuning.forward_kernel(lower(trace_cached(alibi, "score_mod"))) == "forward"
+    assert tuning.forward_kernel(None) == "forward"
+    heavy = tuning.table_row("forward:transcendental", 128, "bfloat16", CUDA)
+    assert heavy == tuning.TUNED[("forward:transcendental", "H100", "bfloat16", 128)]
+    assert heavy != tuning.table_row("forward", 128, "bfloat16", CUDA)
+    # no row of its own at D=64: the forward row
+    assert tuning.table_row("forward:transcendental", 64, "bfloat16", CUDA) == \
+        tuning.table_row("forward", 64, "bfloat16", CUDA)
+    assert tuning.table_row("forward:transcendental", 64, "bfloat16", torch.device("cpu")) == \
+        tuning.DEFAULTS["forward"]["cpu"]
