@@ -137,7 +137,7 @@ def options(kernel: str, head_dim: int, dtype: str, device: torch.device,
 _ACTIVE = [os.environ.get("FLEXGEN_AUTOTUNE") == "1"]
 _LOCK = threading.RLock()
 _STORED: dict | None = None          # the disk file's entries, loaded on first need
-_CHOSEN: dict = {}                   # (spec key, bucket) -> the spec to launch
+_CHOSEN: dict = {}                   # (spec key, bucket, autotune on) -> the spec to launch
 STORE_NAME = "autotune.json"
 STORE_VERSION = 1
 
@@ -276,7 +276,8 @@ def choose(spec: KernelSpec, device: torch.device, inputs, sparse, launch) -> Ke
     ``launch(spec)`` runs the kernel of a spec on the call's inputs.
     """
     bucket = _bucket(inputs)
-    memo = (spec.key, bucket)
+    # Autotune mode is part of the key: a bucket launched as is before may be searched after.
+    memo = (spec.key, bucket, _ACTIVE[0])
     chosen = _CHOSEN.get(memo)
     if chosen is not None:
         return chosen
@@ -291,11 +292,13 @@ def choose(spec: KernelSpec, device: torch.device, inputs, sparse, launch) -> Ke
             _save_winner(key, {"config": config, "ms": ms, "kernel": spec.kernel_name,
                                "gpu": gpu_name(device), "bucket": list(bucket),
                                "timings": timings})
+        if len(_CHOSEN) > 4096:
+            _CHOSEN.clear()
+        if chosen is None:
+            chosen = _CHOSEN[memo] = spec     # no winner, no search: the table's choice, this mode only
         else:
-            # Outside autotune mode an unseen bucket launches the table's choice;
-            # remember that only until autotuning is switched on.
-            return spec
-        _CHOSEN[memo] = chosen
+            # A winner holds in both modes: one spec object, whose key is hashed once.
+            _CHOSEN[(spec.key, bucket, True)] = _CHOSEN[(spec.key, bucket, False)] = chosen
     return chosen
 
 

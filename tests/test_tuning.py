@@ -317,3 +317,19 @@ def test_transcendental_score_mods_use_their_own_row(monkeypatch):
         tuning.table_row("forward", 64, "bfloat16", CUDA)
     assert tuning.table_row("forward:transcendental", 64, "bfloat16", torch.device("cpu")) == \
         tuning.DEFAULTS["forward"]["cpu"]
+
+
+def test_kernels_without_a_winner_are_looked_up_once(fresh_store, fake_clock, monkeypatch):
+    """Winners on disk for one kernel must not make every other kernel's call hash its spec again."""
+    launch_fn, _ = fake_clock
+    with flexgen.autotune():
+        tuning.choose(_spec(), CUDA, _inputs(), (128, 128), launch_fn)
+    _new_process(monkeypatch)
+    lookups = []
+    store_key = tuning._store_key
+    monkeypatch.setattr(tuning, "_store_key", lambda *a: lookups.append(a) or store_key(*a))
+    other = _spec(qk_head=128, v_head=128)
+    assert tuning.needs_lookup()
+    for _ in range(3):
+        assert tuning.choose(other, CUDA, _inputs(), (128, 128), launch_fn) is other
+    assert len(lookups) == 1
