@@ -35,6 +35,7 @@ atexit.register(shutil.rmtree, _SESSION_DIR, ignore_errors=True)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton  # noqa: E402
 
 import flexgen  # noqa: E402
 from flexgen import aot, launch  # noqa: E402
@@ -138,7 +139,7 @@ def pytest_terminal_summary(terminalreporter):
     if AOT_STATS["compiled"]:
         terminalreporter.write_line(
             f"flexgen: compiled {AOT_STATS['compiled']} distinct kernel launches for sm_90 "
-            f"in {AOT_STATS['seconds']:.1f}s")
+            f"in {AOT_STATS['seconds']:.1f}s with triton {triton.__version__}")
 
 
 # --- inputs and comparison with the oracle -------------------------------------------
