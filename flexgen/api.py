@@ -114,15 +114,22 @@ class _Call:
     kernel_options: dict | None
 
 
-def _prepare(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options) -> _Call:
-    """Check everything and decide the forward kernel."""
+def _trace_score(score_mod):
+    return None if score_mod is None else trace_cached(score_mod, "score_mod")
+
+
+def _prepare(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
+             score_traced=None) -> _Call:
+    """Check everything and decide the forward kernel (``score_traced``: the score_mod's trace,
+    when the caller has it already)."""
     _check_inputs(query, key, value, enable_gqa)
     device = query.device
     B, Hq, Q_LEN, D = query.shape
     Dv = value.shape[-1]
     scale = check_scale(scale, D)
 
-    score_traced = None if score_mod is None else trace_cached(score_mod, "score_mod")
+    if score_traced is None:
+        score_traced = _trace_score(score_mod)
     score = None if score_traced is None else lower(score_traced)
     if score_traced is not None:
         check_buffers(score_traced, device)
@@ -229,16 +236,24 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     derivative is derived symbolically; a mod that cannot be differentiated
     raises ``flexgen.backward.GradientError`` here, before anything runs.
     """
-    call = _prepare(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options)
-    slots = backward.grad_slots(call.score_traced)
-    needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
-                                              or value.requires_grad or bool(slots))
+    score_traced = _trace_score(score_mod)
+    slots = backward.grad_slots(score_traced)
+    needs_grad = torch.is_grad_enabled() and (
+        any(getattr(t, "requires_grad", False) for t in (query, key, value)) or bool(slots))
     if not needs_grad and use_decode_path(query, key, value):
         # A few queries per sequence: the split-K decode kernel reads K/V once per
-        # GQA group and spreads long contexts over the GPU (flexgen.decode).
+        # GQA group and spreads long contexts over the GPU (flexgen.decode). It
+        # checks its inputs itself: planning the forward kernel first would be wasted.
+        if block_mask is not None:
+            # decode_attention accepts a mask longer than the queries (they sit at
+            # q_offsets); flex_attention's mask must match the call exactly.
+            _check_inputs(query, key, value, enable_gqa)
+            _check_block_mask(block_mask, query, key)
         return decode_attention(query, key, value, score_mod=score_mod, block_mask=block_mask,
                                 scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
                                 q_offsets=0, kernel_options=kernel_options)
+    call = _prepare(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
+                    score_traced)
     if needs_grad:
         bw = _backward_plan(call, query, value, slots)
         out, lse = FlexAttentionFunction.apply(query, key, value, call, bw, *call.score_buffers)

@@ -233,6 +233,21 @@ def test_input_errors():
         decode_attention(q, k, v, enable_gqa=True, kernel_options={"BLOK_N": 32})
 
 
+def test_flex_attention_checks_short_queries_like_long_ones():
+    """The decode dispatch skips forward planning, not flex_attention's own checks."""
+    from flexgen import flex_attention
+    q, k, v = inputs(1, 2, 2, 4, 50)
+    mask = create_block_mask(causal_mask, None, None, 8, 50, device="cpu")
+    with pytest.raises(InputError, match="Q_LEN=4"):
+        flex_attention(q, k, v, block_mask=mask)
+    with pytest.raises(InputError, match="dtype"):
+        flex_attention(q, k.to(torch.bfloat16), v)
+    with pytest.raises(InputError, match="query"):
+        flex_attention("q", k, v)
+    with pytest.raises(FlexgenError, match="score_mod"):
+        flex_attention(q, k, v, score_mod=lambda score: score)
+
+
 def test_kernel_source_names_the_mods():
     q, k, v = inputs(1, 4, 2, 1, 64)
     text = decode_kernel_source(q, k, v, score_mod=tanh_softcap(7.0), mask_mod=causal_mask, enable_gqa=True)
