@@ -111,6 +111,24 @@ def compile_recorded(recorded) -> int:
 _LAUNCHES_BY_MODULE: dict = {}
 
 
+def assert_module_launches_compile(module_name: str, templates: set) -> None:
+    """Each distinct launch the module's tests made compiles to a cubin for sm_90, and the
+    launches cover ``templates``. Skips when the module's other tests did not run."""
+    launches = launches_of(module_name)
+    if not launches:
+        pytest.skip("no launches recorded (run the whole module)")
+    seen = set()
+    for spec, args, constexprs in launches:
+        signature = tuple(aot._arg_type(a) for a in args)
+        key = (spec.key, tuple(sorted(constexprs.items())), signature)
+        if key in seen:
+            continue
+        seen.add(key)
+        compiled = aot.compile_launch(spec, args, constexprs)
+        assert compiled.asm.get("cubin"), f"no cubin for {spec.kernel_name}"
+    assert {s.template for s, _, _ in launches} >= templates
+
+
 def launches_of(module_name: str) -> list:
     """The launches recorded so far by the tests of one module (``__name__`` there)."""
     return _LAUNCHES_BY_MODULE.get(module_name, [])

@@ -21,12 +21,12 @@ import random  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from flexgen import aot, create_block_mask  # noqa: E402
+from flexgen import create_block_mask  # noqa: E402
 from flexgen.errors import FlexgenError, InputError  # noqa: E402
 from flexgen.mods import alibi, causal_mask, sliding_window, tanh_softcap  # noqa: E402
 from flexgen.paged import CacheFullError, PagedKVCache  # noqa: E402
 from flexgen.reference import flex_attention_reference  # noqa: E402
-from conftest import launches_of  # noqa: E402
+from conftest import assert_module_launches_compile  # noqa: E402
 
 def make_cache(page_size, num_pages=64, Hkv=2, D=32, max_batch=4, max_pages=None, dtype=torch.float32,
                seed=0, v_head_dim=None):
@@ -249,16 +249,4 @@ def test_input_errors():
 
 def test_every_launched_kernel_compiles_for_sm90():
     """Ahead-of-time compile (triton.compile for sm_90) of each distinct kernel launched above."""
-    LAUNCHES = launches_of(__name__)     # recorded by conftest around every test
-    if not LAUNCHES:
-        pytest.skip("no launches recorded (run the whole module)")
-    seen = set()
-    for spec, args, constexprs in LAUNCHES:
-        signature = tuple(aot._arg_type(a) for a in args)
-        key = (spec.key, tuple(sorted(constexprs.items())), signature)
-        if key in seen:
-            continue
-        seen.add(key)
-        compiled = aot.compile_launch(spec, args, constexprs)
-        assert compiled.asm.get("cubin"), f"no cubin for {spec.kernel_name}"
-    assert {s.template for s, _, _ in LAUNCHES} >= {"decode", "decode_merge", "paged_write"}
+    assert_module_launches_compile(__name__, {"decode", "decode_merge", "paged_write"})
