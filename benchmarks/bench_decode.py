@@ -42,10 +42,7 @@ import os
 os.environ.pop("FLEXGEN_POISON", None)
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
 import gc  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
 import re  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
@@ -55,11 +52,10 @@ import traceback  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import flexgen  # noqa: E402
 from flexgen.decode import decode_attention  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Timer  # noqa: E402
+from common import Timer, environment, write_json  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 64
 DTYPE = torch.bfloat16
@@ -278,27 +274,6 @@ def check_mods(cuda) -> dict:
         err = max(err, (out[b:b + 1].float() - ref).abs().max().item())
     return dict(case="paged GQA decode, 4 queries, softcap + sliding-window block mask",
                 max_err=err, ok=err < 3e-2 and not out.isnan().any().item())
-
-
-def environment(cuda) -> dict:
-    import triton
-    info = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                host=platform.node(), python=platform.python_version(), torch=torch.__version__,
-                triton=triton.__version__, flexgen=flexgen.__version__)
-    if cuda:
-        p = torch.cuda.get_device_properties(0)
-        info.update(device_name=p.name, capability=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
-                    memory_gib=round(p.total_memory / 2**30, 1), cuda=torch.version.cuda)
-    else:
-        info.update(device_name="cpu (smoke: Triton interpreter, numbers meaningless)")
-    return info
-
-
-def write_json(path, payload):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=1, default=str)
-    os.replace(tmp, path)
 
 
 def _f(x, spec, missing="-"):

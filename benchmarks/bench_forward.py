@@ -35,11 +35,8 @@ import os
 os.environ.pop("FLEXGEN_POISON", None)
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
 import gc  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
-import platform  # noqa: E402
 import re  # noqa: E402
 import signal  # noqa: E402
 import statistics  # noqa: E402
@@ -54,7 +51,8 @@ import flexgen  # noqa: E402
 from flexgen import mods  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Timer, doc_ids  # noqa: E402,F401  (bench_backward imports them from here)
+from common import Timer, doc_ids, write_json  # noqa: E402,F401  (bench_backward imports them from here)
+from common import environment as common_environment  # noqa: E402
 
 ALL_VARIANTS = ("full", "causal", "sliding_window", "alibi", "softcap", "document", "prefix_lm",
                 "document_causal", "softcap_causal")
@@ -425,31 +423,7 @@ def bench_overhead(timer, cuda, smoke, deadline) -> list:
 # output
 
 def environment(cuda) -> dict:
-    import triton
-    info = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                host=platform.node(), python=platform.python_version(), torch=torch.__version__,
-                triton=triton.__version__, flexgen=flexgen.__version__)
-    if cuda:
-        p = torch.cuda.get_device_properties(0)
-        info.update(device_name=p.name, capability=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
-                    memory_gib=round(p.total_memory / 2**30, 1), cuda=torch.version.cuda,
-                    l2_mib=round(l2_bytes() / 2**20, 1))
-    else:
-        info.update(device_name="cpu (smoke: Triton interpreter, numbers meaningless)")
-    try:
-        import subprocess
-        info["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                            text=True, timeout=5, cwd=os.path.dirname(__file__)).stdout.strip()
-    except Exception:
-        pass
-    return info
-
-
-def write_json(path, payload):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=1, default=str)
-    os.replace(tmp, path)
+    return common_environment(cuda, **({"l2_mib": round(l2_bytes() / 2**20, 1)} if cuda else {}))
 
 
 def f(x, spec, missing="-"):
@@ -643,6 +617,21 @@ def run_grid(grid, run_one, describe, deadline, case_timeout, payload, json_path
         _check_stop()
 
 
+def bounded(payload, name, seconds, fn) -> None:
+    """payload[name] = fn(), or payload[name + "_error"] when it fails or runs past ``seconds``."""
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        payload[name] = fn()
+    except Timeout as e:
+        if "signal" in str(e):
+            raise
+        payload[f"{name}_error"] = "timeout"
+    except Exception as e:
+        payload[f"{name}_error"] = error_text(e)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
 def describe(r) -> str:
     return (f"{r['variant']:<15} D={r['D']:<3} L={r['L']:<6} flexgen {r['flexgen_ms']:.3f} ms "
             f"{r['flexgen_tflops']:.0f} TF/s | torch {f(r.get('torch_ms'), '.3f')} ms | "
@@ -709,32 +698,14 @@ def main(argv=None) -> int:
         end = t_start + args.budget
         if not args.no_mask_bench:
             print(f"create_block_mask at {args.mask_len}:", flush=True)
-            signal.setitimer(signal.ITIMER_REAL, max(5.0, min(90.0, end - time.monotonic() - 15)))
-            try:
-                payload["mask_build"] = bench_mask_build(args.mask_len, timer, cuda, end - 20)
-            except Timeout as e:
-                if "signal" in str(e):
-                    raise
-                payload["mask_build_error"] = "timeout"
-            except Exception as e:
-                payload["mask_build_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
+            bounded(payload, "mask_build", max(5.0, min(90.0, end - time.monotonic() - 15)),
+                    lambda: bench_mask_build(args.mask_len, timer, cuda, end - 20))
             write_json(json_path, payload)
             _check_stop()
         if not args.no_overhead:
             print("host overhead:", flush=True)
-            signal.setitimer(signal.ITIMER_REAL, max(5.0, min(90.0, end - time.monotonic())))
-            try:
-                payload["overhead"] = bench_overhead(timer, cuda, args.smoke, end - 10)
-            except Timeout as e:
-                if "signal" in str(e):
-                    raise
-                payload["overhead_error"] = "timeout"
-            except Exception as e:
-                payload["overhead_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
+            bounded(payload, "overhead", max(5.0, min(90.0, end - time.monotonic())),
+                    lambda: bench_overhead(timer, cuda, args.smoke, end - 10))
     except (Timeout, KeyboardInterrupt) as e:
         signal.setitimer(signal.ITIMER_REAL, 0)
         print(f"bench_forward: stopped early ({e}); writing what was done", flush=True)

@@ -1,11 +1,17 @@
 """Pieces the benchmark scripts share that have no side effects on import.
 
 (bench_forward.py clears FLEXGEN_POISON when imported; gpu_check.py sets it, so
-what both use lives here.)
+what both use lives here.) flexgen and triton are imported inside the functions,
+after each script has set its environment.
 """
 from __future__ import annotations
 
+import datetime
+import json
+import os
+import platform
 import statistics
+import subprocess
 import time
 
 import torch
@@ -45,3 +51,36 @@ def doc_ids(B, L, device, gen, mean_len, min_docs=2) -> torch.Tensor:
         starts[cuts] = 1
         rows.append(torch.cumsum(starts, 0, dtype=torch.int32))
     return torch.stack(rows).to(device)
+
+
+def environment(cuda: bool, **extra) -> dict:
+    """Date, host, versions and the device, for a results JSON (``extra`` added as is)."""
+    import triton
+
+    import flexgen
+    info = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                host=platform.node(), python=platform.python_version(), torch=torch.__version__,
+                triton=triton.__version__, flexgen=flexgen.__version__)
+    if cuda:
+        p = torch.cuda.get_device_properties(0)
+        info.update(device_name=p.name, capability=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
+                    memory_gib=round(p.total_memory / 2**30, 1), cuda=torch.version.cuda)
+    else:
+        info.update(device_name="cpu (smoke: Triton interpreter, numbers meaningless)")
+    try:
+        info["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                            text=True, timeout=5, cwd=os.path.dirname(__file__)).stdout.strip()
+    except Exception:
+        pass
+    info.update(extra)
+    return info
+
+
+def write_json(path, payload):
+    """Write ``payload`` to ``path`` atomically (nothing when ``path`` is empty)."""
+    if not path:
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=1, default=str)
+    os.replace(tmp, path)

@@ -28,9 +28,6 @@ import os
 os.environ["FLEXGEN_POISON"] = "1"
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -45,7 +42,7 @@ from flexgen import mods  # noqa: E402
 from flexgen.reference import flex_attention_reference  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import doc_ids  # noqa: E402
+from common import doc_ids, environment, write_json  # noqa: E402
 
 # bf16 keeps 8 bits of mantissa, fp16 11: tolerances on the output in the
 # storage dtype, against a float32 reference on the same (rounded) inputs.
@@ -278,30 +275,6 @@ def run_case(case: Case, S, seed: int, compare_blocks: bool) -> dict:
 # ---------------------------------------------------------------------------
 # reporting
 
-def environment(device: str) -> dict:
-    import triton
-    info = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                host=platform.node(), python=platform.python_version(), torch=torch.__version__,
-                triton=triton.__version__, flexgen=flexgen.__version__, device=device,
-                poison=os.environ.get("FLEXGEN_POISON"))
-    if device == "cuda":
-        p = torch.cuda.get_device_properties(0)
-        info.update(device_name=p.name, capability=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
-                    memory_gib=round(p.total_memory / 2**30, 1), cuda=torch.version.cuda)
-    else:
-        info.update(device_name="cpu (Triton interpreter)")
-    return info
-
-
-def write_json(path, payload):
-    if not path:
-        return
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=1, default=str)
-    os.replace(tmp, path)
-
-
 def fmt(x, spec):
     """``format(x, spec)``, or a dash padded to the same width."""
     width = int("".join(ch for ch in spec.split(".")[0] if ch.isdigit()) or 1)
@@ -364,7 +337,7 @@ def main(argv=None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
 
-    env = environment(S.device)
+    env = environment(S.device == "cuda", device=S.device, poison=os.environ.get("FLEXGEN_POISON"))
     print(f"gpu_check on {env['device_name']}: torch {env['torch']}, triton {env['triton']}, "
           f"budget {args.budget:.0f} s, {len(cases)} cases", flush=True)
     path = os.path.join(args.out, "gpu_check.json") if args.out else None
