@@ -118,18 +118,66 @@ def _trace_score(score_mod):
     return None if score_mod is None else trace_cached(score_mod, "score_mod")
 
 
+# A training or serving loop makes the same call every step: what _prepare
+# decides is memoized on everything it reads. The key holds ids; the entry
+# holds the objects behind them, so no id is reused while its entry exists.
+_CALLS: dict = {}
+_CALLS_MAX = 256
+
+
+def _mask_lists(block_mask) -> tuple:
+    return (block_mask.kv_num_blocks, block_mask.kv_indices,
+            block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+
+
+def _call_key(query, key, value, score_traced, block_mask, scale, enable_gqa, kernel_options):
+    """The memo key of a call, or None for one that is not memoized (it may raise an InputError)."""
+    tensors = (query, key, value)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return None
+    options = None
+    if kernel_options:
+        options = tuple(sorted(kernel_options.items())) if isinstance(kernel_options, dict) else kernel_options
+        try:
+            hash(options)
+        except TypeError:
+            return None
+    mask = None
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask):
+            return None
+        mask = (block_mask.seq_lengths, *map(id, (block_mask, *_mask_lists(block_mask))))
+    # fp32 on the GPU uses tf32 only where torch allows it (spec.dot_precision).
+    tf32 = query.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+    return (id(score_traced), mask, scale, enable_gqa, options, tf32,
+            *[(t.shape, t.stride(), t.dtype, t.device) for t in tensors])
+
+
 def _prepare(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
              score_traced=None) -> _Call:
     """Check everything and decide the forward kernel (``score_traced``: the score_mod's trace,
     when the caller has it already)."""
+    if score_traced is None:
+        score_traced = _trace_score(score_mod)
+    memo = _call_key(query, key, value, score_traced, block_mask, scale, enable_gqa, kernel_options)
+    hit = _CALLS.get(memo) if memo is not None else None
+    if hit is not None:
+        return hit[0]
+    call = _plan_call(query, key, value, score_traced, block_mask, scale, enable_gqa, kernel_options)
+    if memo is not None:
+        if len(_CALLS) >= _CALLS_MAX:
+            _CALLS.clear()
+        _CALLS[memo] = (call, block_mask and _mask_lists(block_mask))
+    return call
+
+
+def _plan_call(query, key, value, score_traced, block_mask, scale, enable_gqa, kernel_options) -> _Call:
     _check_inputs(query, key, value, enable_gqa)
     device = query.device
     B, Hq, Q_LEN, D = query.shape
     Dv = value.shape[-1]
     scale = check_scale(scale, D)
 
-    if score_traced is None:
-        score_traced = _trace_score(score_mod)
     score = None if score_traced is None else lower(score_traced)
     if score_traced is not None:
         check_buffers(score_traced, device)

@@ -1,0 +1,212 @@
+"""The warm host path: the call memo (flexgen.api._prepare) and the direct launch
+(flexgen.launch._launch_compiled, with a stand-in for Triton's kernel).
+
+The direct launch needs a GPU; these tests pin down its bookkeeping: the first
+launch of a specialization goes through Triton (``KERNEL[grid](...)``), later
+ones call the compiled kernel's launcher with every parameter in signature
+order, and anything Triton would specialize differently goes through Triton again.
+"""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import triton
+
+import flexgen
+from flexgen import api, launch
+from flexgen.errors import InputError
+from flexgen.spec import KernelSpec
+
+
+class FakeCompiled:
+    function, packed_metadata = "function-handle", (4, 1, 0)
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, *call):
+        self.calls.append(call)
+
+
+class FakeKernel:
+    """Stands in for a JITFunction: records Triton-path launches, returns one compiled kernel."""
+    arg_names = ["X", "N", "stride", "SCALE", "BLOCK", "EVEN"]
+
+    def __init__(self):
+        self.compiled = FakeCompiled()
+        self.triton_launches = []
+
+    def __getitem__(self, grid):
+        def launch_(*args, **kwargs):
+            self.triton_launches.append((grid, args, kwargs))
+            return self.compiled
+        return launch_
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    launch._COMPILED.clear()
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 1234, raising=False)
+    kernel = FakeKernel()
+    module = types.SimpleNamespace(KERNEL=kernel, NUM_WARPS=4, NUM_STAGES=2)
+    yield module, kernel
+    launch._COMPILED.clear()
+
+
+SPEC = KernelSpec("forward", qk_head=64, v_head=64, dtype="float32")
+
+
+def _launch(module, x, n=100, stride=64, grid=(3, 2)):
+    launch._launch_compiled(SPEC, module, grid, [x, n, stride, 0.125], dict(BLOCK=64, EVEN=True))
+
+
+def test_second_launch_calls_the_compiled_launcher_directly(fake_gpu):
+    module, kernel = fake_gpu
+    x = torch.zeros(64)
+    _launch(module, x)
+    assert len(kernel.triton_launches) == 1
+    grid, args, kwargs = kernel.triton_launches[0]
+    assert kwargs == dict(BLOCK=64, EVEN=True, num_warps=4, num_stages=2)
+    assert kernel.compiled.calls == []
+
+    y = torch.ones(64)
+    _launch(module, y, n=200, grid=(5,))
+    assert len(kernel.triton_launches) == 1
+    (call,) = kernel.compiled.calls
+    assert call[:3] == (5, 1, 1)
+    assert call[3] == 1234 and call[4] == "function-handle" and call[5] == (4, 1, 0)
+    assert call[6:9] == (None, None, None)
+    # Every parameter in signature order, constexprs included (the launcher skips them).
+    assert call[9] is y and call[10:] == (200, 64, 0.125, 64, True)
+
+
+@pytest.mark.parametrize("change", ["alignment", "int_is_one", "multiple_of_16", "dtype", "constexpr", "wide_int"])
+def test_a_different_specialization_goes_through_triton(fake_gpu, change):
+    module, kernel = fake_gpu
+    base = torch.zeros(64)
+    _launch(module, base, n=100, stride=64)
+    x, n, stride, constexprs = base, 100, 64, dict(BLOCK=64, EVEN=True)
+    if change == "alignment":
+        x = base[1:]                        # 4 bytes past a 16-byte boundary
+    elif change == "int_is_one":
+        stride = 1
+    elif change == "multiple_of_16":
+        n = 96
+    elif change == "dtype":
+        x = torch.zeros(64, dtype=torch.float16)
+    elif change == "constexpr":
+        constexprs = dict(BLOCK=64, EVEN=False)
+    elif change == "wide_int":
+        n = 2**31 + 1
+    launch._launch_compiled(SPEC, module, (1,), [x, n, stride, 0.125], constexprs)
+    assert len(kernel.triton_launches) == 2
+    assert kernel.compiled.calls == []
+
+
+def test_launch_hooks_keep_tritons_path(fake_gpu, monkeypatch):
+    module, kernel = fake_gpu
+    hooks = triton.knobs.runtime
+    x = torch.zeros(64)
+    _launch(module, x)
+    monkeypatch.setattr(hooks, "launch_enter_hook", lambda metadata: None)
+    _launch(module, x)
+    assert len(kernel.triton_launches) == 2 and kernel.compiled.calls == []
+
+
+def test_unhandled_argument_types_keep_tritons_path(fake_gpu):
+    module, kernel = fake_gpu
+    for _ in range(2):
+        launch._launch_compiled(SPEC, module, (1,), [torch.zeros(4), True, 3, 0.5], dict(BLOCK=64, EVEN=True))
+    assert len(kernel.triton_launches) == 2
+
+
+def test_arg_classes_match_tritons_specialization():
+    """Wherever Triton specializes two arguments differently, so does the key (finer is fine)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    base = torch.zeros(64, dtype=torch.bfloat16)
+    values = [0, 1, 2, 15, 16, 17, -16, 2**31 - 1, 2**31, 2**32, -2**31 - 1, 2**63, 0.5,
+              base, base[1:], base[8:], base.float()]
+    for a in values:
+        for b in values:
+            if type(a) is not type(b):
+                continue
+            if native_specialize_impl(BaseBackend, a, False, True, True) != \
+                    native_specialize_impl(BaseBackend, b, False, True, True):
+                assert launch._arg_classes([a]) != launch._arg_classes([b]), (a, b)
+
+
+# ---------------------------------------------------------------------------- call memo
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def _prepare(q, k, v, score_mod=None, block_mask=None, scale=None, enable_gqa=False, kernel_options=None):
+    return api._prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options)
+
+
+def test_a_repeated_call_reuses_its_plan():
+    q = torch.randn(1, 2, 40, 32)
+    mask = flexgen.create_block_mask(_causal, None, None, 40, 40, device="cpu")
+    first = _prepare(q, q, q, block_mask=mask, kernel_options={"BLOCK_M": 16})
+    again = _prepare(torch.randn(1, 2, 40, 32), q, q, block_mask=mask, kernel_options={"BLOCK_M": 16})
+    assert again is first
+
+
+@pytest.mark.parametrize("change", ["shape", "stride", "dtype", "scale", "gqa_heads", "options",
+                                    "mask_object", "mask_lists", "score_mod", "captured_tensor"])
+def test_anything_the_plan_reads_makes_a_new_plan(change):
+    q = torch.randn(1, 2, 40, 32)
+    bias = torch.randn(2)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+
+    mask = flexgen.create_block_mask(_causal, None, None, 40, 40, device="cpu")
+    args = dict(q=q, k=q, v=q, score_mod=biased, block_mask=mask)
+    first = _prepare(**args)
+    if change == "shape":
+        x = torch.randn(1, 2, 40, 48)
+        args.update(q=x, k=x, v=x)
+    elif change == "stride":
+        x = torch.randn(1, 40, 2, 32).transpose(1, 2)
+        args.update(q=x)
+    elif change == "dtype":
+        x = q.to(torch.float16)
+        args.update(q=x, k=x, v=x)
+    elif change == "scale":
+        args.update(scale=0.5)
+    elif change == "gqa_heads":
+        args.update(q=torch.randn(1, 4, 40, 32), enable_gqa=True)
+    elif change == "options":
+        args.update(kernel_options={"BLOCK_N": 16})
+    elif change == "mask_object":
+        args.update(block_mask=flexgen.create_block_mask(_causal, None, None, 40, 40, device="cpu"))
+    elif change == "mask_lists":
+        mask.kv_num_blocks = mask.kv_num_blocks.clone()
+    elif change == "score_mod":
+        args.update(score_mod=lambda score, b, h, q_idx, kv_idx: score * 2)
+    elif change == "captured_tensor":
+        bias = torch.randn(2, dtype=torch.float64)     # the closure now reads a new tensor
+    second = _prepare(**args)
+    assert second is not first
+    if change == "mask_lists":
+        assert second.sparse[0].data_ptr() == mask.kv_num_blocks.data_ptr()
+    if change == "captured_tensor":
+        assert second.score_buffers[0] is bias
+
+
+def test_a_bad_call_still_raises_after_a_good_one():
+    q = torch.randn(1, 2, 40, 32)
+    _prepare(q, q, q)
+    with pytest.raises(InputError, match="key.shape"):
+        _prepare(q, q[..., :16], q)
+    with pytest.raises(InputError, match="enable_gqa"):
+        _prepare(q, q[:, :1], q[:, :1])
+    with pytest.raises(InputError, match="kernel_options"):
+        _prepare(q, q, q, kernel_options={"BLOCK_Q": 64})
