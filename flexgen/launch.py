@@ -70,18 +70,53 @@ def _library_interpreted():
             interpreter._patch_lang_tensor = patch_tensor
 
 
-def run(spec: KernelSpec, device: torch.device, *inputs, tune_blocks: tuple | None = None) -> None:
+def run(spec: KernelSpec, device: torch.device, *inputs, tune_blocks: tuple | None = None,
+        replay: int = 0):
     """Launch ``spec``'s kernel on ``inputs`` (the arguments its module's ``arguments`` takes).
 
     ``tune_blocks`` (the sparse block sizes) marks a launch whose tiles the
     caller left to flexgen: on a GPU it may launch an autotuned winner instead
-    (``flexgen.tuning``).
+    (``flexgen.tuning``). With ``replay=n`` it returns a ``Replay`` of this
+    launch for the same call with new tensors in the first n kernel arguments
+    (or None where replaying is not possible).
     """
     if tune_blocks is not None and device.type == "cuda" and tuning.needs_lookup():
         # The search must see a candidate that does not fit fail, not quietly shrink.
         spec = tuning.choose(spec, device, inputs, tune_blocks,
                              lambda s: _launch_once(s, device, inputs))
-    _launch(spec, device, inputs)
+        replay = 0          # a size bucket's winner can change while the process tunes
+    launched = _launch(spec, device, inputs)
+    if replay and launched is not None and RECORDED is None:
+        return Replay(*launched, replay)
+    return None
+
+
+class Replay:
+    """A launch made again with new tensors in its first ``n`` arguments, nothing else recomputed.
+
+    For a caller that knows every other argument is unchanged (``api._forward``:
+    the same planned call, so the same shapes, strides, block mask and captured
+    tensors). ``__call__`` returns False, launching nothing, when the new tensors
+    differ in what Triton specializes on (dtype, 16-byte alignment) or the
+    current device changed; the caller then launches normally.
+    """
+
+    def __init__(self, kernel, grid, args, tail, device_index, n):
+        self.kernel, self.device_index, self.n = kernel, device_index, n
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.classes = _arg_classes(args[:n])
+        self.rest = tuple(args[n:]) + tail
+
+    def __call__(self, *tensors) -> bool:
+        if _arg_classes(tensors) != self.classes or torch.cuda.current_device() != self.device_index:
+            return False
+        hooks = _runtime_knobs()
+        if not (_idle(hooks.launch_enter_hook) and _idle(hooks.launch_exit_hook)) or RECORDED is not None:
+            return False
+        kernel, (g0, g1, g2) = self.kernel, self.grid
+        kernel.run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(self.device_index),
+                   kernel.function, kernel.packed_metadata, None, None, None, *tensors, *self.rest)
+        return True
 
 
 # spec key -> the smaller spec that fits: a mod that keeps more tiles live (a
@@ -89,15 +124,17 @@ def run(spec: KernelSpec, device: torch.device, *inputs, tune_blocks: tuple | No
 _FITS: dict = {}
 
 
-def _launch(spec: KernelSpec, device: torch.device, inputs) -> None:
-    """Launch, stepping down to smaller tiles when the GPU says they do not fit."""
+def _launch(spec: KernelSpec, device: torch.device, inputs):
+    """Launch, stepping down to smaller tiles when the GPU says they do not fit.
+
+    Returns what ``_launch_once`` does."""
     from triton.runtime.errors import OutOfResources
 
     first = spec
     spec = _FITS.get(first.key, first)
     while True:
         try:
-            _launch_once(spec, device, inputs)
+            launched = _launch_once(spec, device, inputs)
             break
         except OutOfResources:
             smaller = tuning.smaller(spec) if not uses_interpreter(device) else None
@@ -106,9 +143,12 @@ def _launch(spec: KernelSpec, device: torch.device, inputs) -> None:
             spec = smaller
     if spec is not first:
         _FITS[first.key] = spec
+    return launched
 
 
-def _launch_once(spec: KernelSpec, device: torch.device, inputs) -> None:
+def _launch_once(spec: KernelSpec, device: torch.device, inputs):
+    """Launch once; on a GPU, returns (compiled kernel, grid, args, constexpr tail, device
+    index) of a launch that can be replayed, else None."""
     interpret = uses_interpreter(device)
     module = cache.load(spec, interpret=interpret)
     grid, args, constexprs = module.arguments(*inputs)
@@ -121,8 +161,8 @@ def _launch_once(spec: KernelSpec, device: torch.device, inputs) -> None:
         options = dict(num_warps=module.NUM_WARPS, num_stages=getattr(module, "NUM_STAGES", 1))
         with _library_interpreted():
             module.KERNEL[grid](*args, **constexprs, **options)
-    else:
-        _launch_compiled(spec, module, grid, args, constexprs)
+        return None
+    return _launch_compiled(spec, module, grid, args, constexprs)
 
 
 # Direct launches. Triton's ``kernel[grid](...)`` binds every argument, works
@@ -156,15 +196,20 @@ def _arg_classes(args) -> tuple | None:
     return tuple(classes)
 
 
+def _runtime_knobs():
+    import triton
+    return triton.knobs.runtime
+
+
 def _idle(hook) -> bool:
     """No launch hook is set (a profiler such as proton sets one: then Triton's path runs it)."""
     return hook is None or getattr(hook, "calls", None) == []
 
 
-def _launch_compiled(spec: KernelSpec, module, grid, args, constexprs) -> None:
-    import triton
-
-    hooks = triton.knobs.runtime
+def _launch_compiled(spec: KernelSpec, module, grid, args, constexprs):
+    """Launch on the GPU; returns (kernel, grid, args, tail, device index) when the launch
+    went through a compiled kernel flexgen can call directly, else None."""
+    hooks = _runtime_knobs()
     device_index = torch.cuda.current_device()
     classes = _arg_classes(args)
     key = None
@@ -173,10 +218,10 @@ def _launch_compiled(spec: KernelSpec, module, grid, args, constexprs) -> None:
         hit = _COMPILED.get(key)
         if hit is not None:
             kernel, tail = hit
-            grid = tuple(grid) + (1, 1)
-            kernel.run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device_index),
+            g = tuple(grid) + (1, 1)
+            kernel.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device_index),
                        kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
-            return
+            return kernel, grid, args, tail, device_index
     options = dict(num_warps=module.NUM_WARPS, num_stages=getattr(module, "NUM_STAGES", 1))
     kernel = module.KERNEL[grid](*args, **constexprs, **options)
     names = module.KERNEL.arg_names
@@ -184,4 +229,7 @@ def _launch_compiled(spec: KernelSpec, module, grid, args, constexprs) -> None:
         if len(_COMPILED) >= _COMPILED_MAX:
             _COMPILED.clear()
         # The launcher takes every parameter in signature order; it skips the constexprs.
-        _COMPILED[key] = (kernel, tuple(constexprs[n] for n in names[len(args):]))
+        tail = tuple(constexprs[n] for n in names[len(args):])
+        _COMPILED[key] = (kernel, tail)
+        return kernel, grid, args, tail, device_index
+    return None

@@ -140,6 +140,33 @@ def test_arg_classes_match_tritons_specialization():
                 assert launch._arg_classes([a]) != launch._arg_classes([b]), (a, b)
 
 
+def test_replay_launches_with_new_leading_tensors_only_when_they_specialize_alike(fake_gpu, monkeypatch):
+    module, kernel = fake_gpu
+    monkeypatch.setattr(launch, "RECORDED", None)     # the suite records launches for its AOT check
+    x = torch.zeros(64)
+    launched = launch._launch_compiled(SPEC, module, (3, 2), [x, 100, 64, 0.125], dict(BLOCK=64, EVEN=True))
+    replay = launch.Replay(*launched, 1)
+    y = torch.ones(64)
+    assert replay(y)
+    call = kernel.compiled.calls[-1]
+    assert call[:3] == (3, 2, 1) and call[9] is y and call[10:] == (100, 64, 0.125, 64, True)
+    calls = len(kernel.compiled.calls)
+    assert not replay(torch.ones(65)[1:])                       # not 16-byte aligned
+    assert not replay(torch.ones(64, dtype=torch.float16))      # another dtype
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert not replay(y)                                        # another current device
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch, "RECORDED", [])
+    assert not replay(y)                                        # recording for the AOT checks
+    assert len(kernel.compiled.calls) == calls
+
+
+def test_the_interpreter_path_never_replays():
+    q = torch.randn(1, 2, 40, 32)
+    flexgen.flex_attention(q, q, q)
+    assert _prepare(q, q, q).replay == [None]
+
+
 # ---------------------------------------------------------------------------- call memo
 
 def _causal(b, h, q_idx, kv_idx):
