@@ -9,6 +9,13 @@ its stages measured separately on the same arguments: planning
 (``api._prepare``), output allocation, the module's ``arguments()`` and the
 Triton launch of the compiled kernel. Then a cProfile of the whole call,
 heaviest functions first.
+
+Then the decode path (one query token; Hq=32 over Hkv=8, D=128 on a GPU): the
+``flex_attention`` dispatch, ``decode_attention`` on contiguous K/V and on a
+caller's page table, and ``PagedKVCache.attention`` / ``append``, at B=1 and
+B=8 (B=2 with --smoke), plain and with softcap + a causal block mask. Per case: the whole call,
+flexgen's own Python alone (``launch.run`` replaced by a no-op) and the plan
+(``decode._plan``); then a cProfile of the host-only call.
 """
 from __future__ import annotations
 
@@ -26,7 +33,8 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 import flexgen  # noqa: E402
-from flexgen import api, cache, launch  # noqa: E402
+from flexgen import api, cache, decode, launch  # noqa: E402
+from flexgen.paged import PagedKVCache  # noqa: E402
 
 
 def per_call_us(fn, calls, rounds, sync):
@@ -47,6 +55,82 @@ def softcap(score, b, h, q_idx, kv_idx):
 
 def causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
+
+
+def decode_cases(device, dtype, smoke):
+    """name -> (whole call, its plan or None) for the decode entry points."""
+    Hq, Hkv, D, L, page = (4, 2, 32, 128, 16) if smoke else (32, 8, 128, 256, 64)
+    cases = {}
+    for B in ((1, 2) if smoke else (1, 8)):
+        q = torch.randn(B, Hq, 1, D, device=device, dtype=dtype)
+        k, v = (torch.randn(B, Hkv, L, D, device=device, dtype=dtype) for _ in range(2))
+        short = flexgen.create_block_mask(causal, None, None, 1, L, device=device)    # flex: (Lq, Lkv)
+        full = flexgen.create_block_mask(causal, None, None, L, L, device=device)     # logical positions
+        pages = B * (L // page)
+        kc, vc = (torch.randn(pages, page, Hkv, D, device=device, dtype=dtype) for _ in range(2))
+        table = torch.randperm(pages, device=device).view(B, L // page).to(torch.int32)
+        lengths = torch.full((B,), L, dtype=torch.int32, device=device)
+        pc = PagedKVCache(num_pages=pages + B, page_size=page, num_kv_heads=Hkv, head_dim=D, max_batch=B,
+                          max_pages_per_seq=L // page + 1, dtype=dtype, device=device)
+        slots = [pc.add_sequence() for _ in range(B)]
+        pc.append(slots, k[:, :, :L - page // 2], v[:, :, :L - page // 2])
+        logical = pc.block_mask(causal)
+        # append: a cache of its own (it grows), sized for every call the timing makes
+        grow = PagedKVCache(num_pages=B * 400, page_size=page, num_kv_heads=Hkv, head_dim=D, max_batch=B,
+                            max_pages_per_seq=400, dtype=dtype, device=device)
+        grow_slots = [grow.add_sequence() for _ in range(B)]
+        k1, v1 = k[:, :, :1].contiguous(), v[:, :, :1].contiguous()
+        for mods, label in (({}, "plain"), (dict(score_mod=softcap), "softcap+causal")):
+            bm = {} if not mods else dict(block_mask=short)
+            bm_full = {} if not mods else dict(block_mask=full)
+            bm_logical = {} if not mods else dict(block_mask=logical)
+            cases[f"flex B={B} {label}"] = (
+                lambda q=q, k=k, v=v, m={**mods, **bm}: flexgen.flex_attention(q, k, v, enable_gqa=True, **m),
+                None)
+            cases[f"decode B={B} {label}"] = (
+                lambda q=q, k=k, v=v, m={**mods, **bm_full}: decode.decode_attention(q, k, v, enable_gqa=True, **m),
+                lambda q=q, k=k, v=v, m={**mods, **bm_full}: decode._plan(
+                    q, k, v, m.get("score_mod"), m.get("block_mask"), None, True, None, None, None, None,
+                    None, None, None, None))
+            cases[f"page_table B={B} {label}"] = (
+                lambda q=q, m={**mods, **bm_full}, kc=kc, vc=vc, t=table, n=lengths: decode.decode_attention(
+                    q, kc, vc, enable_gqa=True, kv_lengths=n, page_table=t, max_kv_len=L, **m),
+                None)
+            cases[f"cache.attention B={B} {label}"] = (
+                lambda q=q, pc=pc, s=slots, m={**mods, **bm_logical}: pc.attention(q, s, **m), None)
+        cases[f"cache.append B={B} 1 token"] = (lambda g=grow, s=grow_slots, k1=k1, v1=v1: g.append(s, k1, v1),
+                                                None)
+    return cases
+
+
+def decode_rows(device, dtype, smoke, calls, rounds, sync):
+    rows = []
+    real_run = launch.run
+    for name, (whole, plan) in decode_cases(device, dtype, smoke).items():
+        whole()
+        sync()
+        stages = {"whole call": whole}
+        if plan is not None:
+            stages["plan (decode._plan)"] = plan
+        for stage, fn in stages.items():
+            rows.append((name, stage, per_call_us(fn, calls, rounds, sync)))
+        launch.run = lambda *args, **kwargs: None      # flexgen's own Python only
+        try:
+            rows.append((name, "host, no launch", per_call_us(whole, calls, rounds, sync)))
+            if name.startswith(("cache.attention", "page_table")) and "B=1" not in name \
+                    and ("softcap" in name) == name.startswith("cache"):
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(calls):
+                    whole()
+                prof.disable()
+                text = io.StringIO()
+                pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(15)
+                print(f"\n== cProfile, {name} without launches, {calls} calls (tottime first)\n"
+                      f"{text.getvalue()}")
+        finally:
+            launch.run = real_run
+    return rows
 
 
 def main(argv=None) -> int:
@@ -95,9 +179,10 @@ def main(argv=None) -> int:
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(22)
         print(f"\n== cProfile, {name}, {calls} calls (tottime first)\n{text.getvalue()}")
         print(f"   {len(largs)} kernel arguments, {len(constexprs)} constexprs")
-    print(f"\n{'case':<16} {'stage':<20} {'us/call':>9}")
+    rows += decode_rows(device, dtype, args.smoke, calls, rounds, sync)
+    print(f"\n{'case':<36} {'stage':<20} {'us/call':>9}")
     for name, stage, us in rows:
-        print(f"{name:<16} {stage:<20} {us:9.1f}")
+        print(f"{name:<36} {stage:<20} {us:9.1f}")
     return 0
 
 

@@ -31,6 +31,7 @@ block mask applies the mask element-wise to every key.
 """
 from __future__ import annotations
 
+import operator
 import os
 import weakref
 
@@ -120,9 +121,6 @@ def _per_sequence(name, value, B, device, fix):
 
 
 # --- block masks ---------------------------------------------------------------------------
-_VISIT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def _visit_lists(block_mask: BlockMask, group: int):
     """(indices [B', H', NQ, NKV] int32, cumulative counts [B', H', NQ, NKV + 1] int32).
 
@@ -133,9 +131,9 @@ def _visit_lists(block_mask: BlockMask, group: int):
     block is visited if any head of the group needs it; mask_mod then decides
     per head). Computed once per mask and group size, O(number of blocks).
     """
-    per_mask = _VISIT.setdefault(block_mask, {})
+    per_mask = _mask_memo(block_mask)
     heads = block_mask.kv_num_blocks.shape[1]
-    key = group if heads > 1 else 1
+    key = ("visit", group if heads > 1 else 1)
     hit = per_mask.get(key)
     if hit is None:
         visit = block_mask.block_states() != 0
@@ -173,6 +171,9 @@ def _sm_count(device: torch.device) -> int:
     return _SMS[index]
 
 
+_SPLITS: dict = {}                 # (device, programs, kv_tiles) -> splits
+
+
 def choose_splits(device: torch.device, programs: int, kv_tiles: int) -> int:
     """How many programs share one sequence's keys (split-K).
 
@@ -180,15 +181,23 @@ def choose_splits(device: torch.device, programs: int, kv_tiles: int) -> int:
     ``kv_tiles`` the longest sequence in BLOCK_N tiles. On a GPU: enough splits
     for about two programs per SM, no split shorter than MIN_TILES_PER_SPLIT
     tiles, at most MAX_SPLITS. Under the interpreter: CPU_SPLITS for up to 16
-    work items, else 1.
+    work items, else 1. Memoized (the SM count is the device's).
     """
-    cap = max(1, min(MAX_SPLITS, kv_tiles // MIN_TILES_PER_SPLIT))
-    if device.type != "cuda":
-        # The interpreter runs programs one after another: splits only add work, except
-        # that they keep the merge path exercised on decode-sized calls.
-        return max(1, min(CPU_SPLITS if programs <= 16 else 1, kv_tiles))
-    want = -(-2 * _sm_count(device) // max(1, programs))
-    return max(1, min(want, cap))
+    key = (device, programs, kv_tiles)
+    splits = _SPLITS.get(key)
+    if splits is None:
+        if device.type != "cuda":
+            # The interpreter runs programs one after another: splits only add work, except
+            # that they keep the merge path exercised on decode-sized calls.
+            splits = max(1, min(CPU_SPLITS if programs <= 16 else 1, kv_tiles))
+        else:
+            cap = max(1, min(MAX_SPLITS, kv_tiles // MIN_TILES_PER_SPLIT))
+            want = -(-2 * _sm_count(device) // max(1, programs))
+            splits = max(1, min(want, cap))
+        if len(_SPLITS) >= 4096:
+            _SPLITS.clear()
+        _SPLITS[key] = splits
+    return splits
 
 
 def _geometry(device, G, Lq, D, sparse_q):
@@ -236,7 +245,7 @@ _CONSTANTS: dict = {}
 
 def _constant(value: int, device) -> torch.Tensor:
     """A cached one-element int32 tensor (the kernel broadcasts it with stride 0)."""
-    key = (value, str(device))
+    key = (value, device)
     t = _CONSTANTS.get(key)
     if t is None:
         if len(_CONSTANTS) > 4096:
@@ -262,9 +271,55 @@ class _Plan:
                  "mask_buffers", "scale", "q_tile", "num_splits", "page_size", "sparse_q", "sparse_kv")
 
 
-def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kv_lengths, page_table,
-          mask_mod, q_offsets, q_lengths, num_splits, kernel_options, max_kv_len,
-          host_lengths=None) -> _Plan:
+class _Static:
+    """The half of a plan that depends only on the static inputs (``_static_key``), memoized.
+
+    Holds no tensor a caller could mutate or reassign: the page table, the lengths and
+    the captured buffers are taken from each call; ``visit`` are views of lists derived
+    from the block mask (the memo entry lives with the mask and is dropped when one of
+    its list fields is reassigned).
+    """
+    __slots__ = ("refs", "spec", "merge_spec", "q_tile", "page_size", "capacity", "programs",
+                 "block_n", "num_splits", "visit", "mask_lengths", "sparse_q", "sparse_kv")
+
+
+_STATIC: dict = {}                                   # key -> _Static, calls without a block mask
+_MASK_MEMO: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # mask -> (fields, memo)
+MAX_STATIC = 256
+
+
+def _mask_memo(block_mask: BlockMask) -> dict:
+    """A memo dict that lives as long as ``block_mask``, emptied when a field decode reads is reassigned."""
+    fields = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+              block_mask.full_kv_indices, block_mask.BLOCK_SIZE, block_mask.seq_lengths,
+              block_mask.mask_mod)
+    hit = _MASK_MEMO.get(block_mask)
+    if hit is None or not all(map(operator.is_, hit[0], fields)):
+        hit = _MASK_MEMO[block_mask] = (fields, {})
+    return hit[1]
+
+
+def _static_key(query, key, value, page_table, kv_lengths, score_traced, mask_traced,
+                enable_gqa, kernel_options, num_splits):
+    """Everything ``_static`` reads, hashable; None where an argument is not (no memo: the slow path checks it)."""
+    try:
+        k = (type(query), query.shape, query.dtype, query.device, query.stride(-1),
+             type(key), key.shape, key.dtype, key.device, key.stride(-1),
+             type(value), value.shape, value.dtype, value.device, value.stride(-1),
+             None if page_table is None else (type(page_table), page_table.shape, page_table.dtype,
+                                              page_table.device, kv_lengths is None),
+             id(score_traced), id(mask_traced), bool(enable_gqa),
+             None if kernel_options is None else tuple((n, type(v), v) for n, v in kernel_options.items()),
+             type(num_splits), num_splits, dot_precision(query))
+        hash(k)
+    except Exception:  # noqa: BLE001 - anything odd takes the checked path, which explains it
+        return None
+    return k
+
+
+def _static(query, key, value, score_traced, mask_traced, block_mask, mask_mod, enable_gqa,
+            page_table, kv_lengths, kernel_options, num_splits) -> _Static:
+    """Check the static inputs and decide the kernels (the memoized half of ``_plan``)."""
     paged = page_table is not None
     kv_layout = "[pages, page_size, Hkv, D] (a paged cache)" if paged else "[B, Hkv, L, D]"
     check_tensor("query", query, "[B, H, L, D]")
@@ -293,9 +348,6 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kv_length
         if page_table.device != device:
             raise expected("page_table", f"a tensor on {device}", page_table.device,
                            f"page_table.to('{device}')")
-        page_table = page_table.to(torch.int32)
-        if page_table.stride(1) != 1:
-            page_table = page_table.contiguous()
         if kv_lengths is None:
             raise expected("kv_lengths", "the length of each cached sequence with a page_table", None,
                            "pass kv_lengths (PagedKVCache.attention does it for you)")
@@ -314,67 +366,20 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kv_length
                        "query and key need the same head dim (value's may differ)")
     check_heads(Hq, Hkv, enable_gqa)
     G = Hq // Hkv
-    scale = check_scale(scale, D)
 
-    # Per-sequence lengths and query positions, as the kernel reads them (no work per call
-    # when they are ints or int32 tensors already on the device).
-    fix_len = "pass one length per sequence (ints, a list or an int32 tensor [B])"
-    kv = _lengths_arg("kv_lengths", capacity if kv_lengths is None else kv_lengths, B, device, fix_len)
-    ql = _lengths_arg("q_lengths", Lq if q_lengths is None else q_lengths, B, device, fix_len)
-    qs = None if q_offsets is None else _lengths_arg("q_offsets", q_offsets, B, device, fix_len)
-    seq = (kv, qs, ql)
-    host_kv = [capacity] * B if kv_lengths is None else _host_ints(kv_lengths, B)
-    host_ql = [Lq] * B if q_lengths is None else _host_ints(q_lengths, B)
-    if q_offsets is not None:
-        host_qs = _host_ints(q_offsets, B)
-    elif host_kv is not None and host_ql is not None:
-        host_qs = [k - q for k, q in zip(host_kv, host_ql)]
-    else:
-        host_qs = None
-    if host_lengths is not None:
-        # The caller (PagedKVCache) knows the lengths on the host: check them without a sync.
-        host_kv, host_ql = host_lengths
-        host_qs = [k - q for k, q in zip(host_kv, host_ql)] if q_offsets is None else host_qs
-    if host_kv is not None and (min(host_kv) < 0 or max(host_kv) > capacity):
-        raise expected("kv_lengths", f"lengths from 0 to {capacity} (the "
-                       + ("page table's capacity" if paged else "key's length") + ")",
-                       f"{min(host_kv)} .. {max(host_kv)}", "clip the lengths or give a longer cache")
-    if host_ql is not None and (min(host_ql) < 0 or max(host_ql) > Lq):
-        raise expected("q_lengths", f"counts from 0 to {Lq} (the query's length)",
-                       f"{min(host_ql)} .. {max(host_ql)}", "pad the query to the longest count")
-    if max_kv_len is None:
-        max_kv_len = max(host_kv) if host_kv is not None else capacity
-
-    score_traced = None if score_mod is None else _trace(score_mod, "score_mod")
     score = None if score_traced is None else lower(score_traced)
-    if score_traced is not None:
-        check_buffers(score_traced, device)
-
-    mask, mask_traced, visit, sparse_q, sparse_kv = None, None, None, None, None
+    mask, visit, sparse_q, sparse_kv, mask_lengths = None, None, None, None, None
     if block_mask is not None:
         if mask_mod is not None:
             raise expected("mask_mod", "None when a block_mask is given (its mask_mod is used)",
                            getattr(mask_mod, "__name__", mask_mod), "pass only one of them")
         _check_block_mask(block_mask, B, Hq, device)
         sparse_q, sparse_kv = block_mask.BLOCK_SIZE
-        mQ, mKV = block_mask.seq_lengths
-        if host_kv is not None and max(host_kv) > mKV:
-            raise expected("block_mask", f"a mask whose KV_LEN covers the longest sequence ({max(host_kv)})",
-                           f"KV_LEN={mKV}", "build the mask for the cache's logical length")
-        q_end = None if host_qs is None or host_ql is None else max(
-            s + q for s, q in zip(host_qs, host_ql))
-        if q_end is not None and q_end > mQ:
-            raise expected("block_mask", "a mask whose Q_LEN exceeds every query position "
-                           f"(q_idx runs up to {q_end - 1})", f"Q_LEN={mQ}",
-                           "build the mask for the cache's logical length (PagedKVCache.block_mask)")
-        mask_traced = block_mask.traced()
+        mask_lengths = block_mask.seq_lengths
         idx, cum = _visit_lists(block_mask, G)
         # [B, Hkv, ...] views: a broadcast batch or head gets stride 0.
         visit = (idx.expand(B, Hkv, *idx.shape[2:]), cum.expand(B, Hkv, *cum.shape[2:]))
-    elif mask_mod is not None:
-        mask_traced = _trace(mask_mod, "mask_mod")
     if mask_traced is not None:
-        check_buffers(mask_traced, device)
         mask = lower(mask_traced)
 
     q_tile, block_m, block_n, warps, stages = _geometry(device, G, Lq, max(D, Dv), sparse_q)
@@ -382,14 +387,12 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kv_length
                     sparse_kv)
     if num_splits is None:
         num_splits = opts.get("NUM_SPLITS")
-    if num_splits is None:
-        programs = B * Hkv * -(-Lq // q_tile)
-        num_splits = choose_splits(device, programs, -(-max(1, max_kv_len) // opts["BLOCK_N"]))
     elif not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise expected("num_splits", "a positive int or None (automatic)", repr(num_splits), "pass an int")
 
-    plan = _Plan()
-    plan.spec = kernel_spec(
+    st = _Static()
+    st.refs = tuple(None if t is None else weakref.ref(t) for t in (score_traced, mask_traced))
+    st.spec = kernel_spec(
         "decode",
         **mod_fields(score, mask),
         qk_head=D, v_head=Dv, dtype=DTYPES[query.dtype],
@@ -398,16 +401,127 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kv_length
         num_warps=opts["num_warps"], num_stages=opts["num_stages"],
         dot_precision=dot_precision(query),
     )
-    plan.merge_spec = None if num_splits == 1 else kernel_spec(
+    st.merge_spec = kernel_spec(
         "decode_merge", v_head=Dv, dtype=DTYPES[query.dtype],
         block_m=64 if device.type != "cuda" else 16, num_warps=4)
-    plan.seq, plan.page_table, plan.visit = seq, page_table, visit
+    st.q_tile, st.page_size, st.capacity = q_tile, page_size, capacity
+    st.programs = B * Hkv * -(-Lq // q_tile)
+    st.block_n, st.num_splits, st.visit, st.mask_lengths = opts["BLOCK_N"], num_splits, visit, mask_lengths
+    st.sparse_q = sparse_q or 16
+    st.sparse_kv = sparse_kv or opts["BLOCK_N"]
+    return st
+
+
+def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kv_lengths, page_table,
+          mask_mod, q_offsets, q_lengths, num_splits, kernel_options, max_kv_len,
+          host_lengths=None) -> _Plan:
+    score_traced = None if score_mod is None else _trace(score_mod, "score_mod")
+    if block_mask is not None:
+        mask_traced = block_mask.traced() if isinstance(block_mask, BlockMask) else None
+    else:
+        mask_traced = None if mask_mod is None else _trace(mask_mod, "mask_mod")
+
+    # The static half: checked and decided once per combination of shapes, dtypes,
+    # device, mods and options (the memo of a block mask lives with the mask).
+    memo_key = None
+    if block_mask is None or (mask_mod is None and isinstance(block_mask, BlockMask)):
+        memo_key = _static_key(query, key, value, page_table, kv_lengths, score_traced, mask_traced,
+                               enable_gqa, kernel_options, num_splits)
+    memo = None
+    if memo_key is not None:
+        memo = _STATIC if block_mask is None else _mask_memo(block_mask)
+    st = None if memo is None else memo.get(memo_key)
+    if st is not None:
+        score_ref, mask_ref = st.refs
+        # The traces' ids are in the key: a dead trace's id may have been reused.
+        if (score_ref is not None and score_ref() is not score_traced) or \
+                (mask_ref is not None and mask_ref() is not mask_traced):
+            st = None
+    if st is None:
+        st = _static(query, key, value, score_traced, mask_traced, block_mask, mask_mod, enable_gqa,
+                     page_table, kv_lengths, kernel_options, num_splits)
+        if memo is not None:
+            if len(memo) >= MAX_STATIC:
+                memo.clear()
+            memo[memo_key] = st
+
+    # The per-call half: whatever a caller may change between calls with the same shapes.
+    device = query.device
+    B, _, Lq, D = query.shape
+    scale = check_scale(scale, D)
+    if score_traced is not None:
+        check_buffers(score_traced, device)
+    if mask_traced is not None:
+        check_buffers(mask_traced, device)
+    if page_table is not None:
+        # Converted on every call, never cached: the table changes in place as sequences grow.
+        if page_table.dtype != torch.int32:
+            page_table = page_table.to(torch.int32)
+        if page_table.stride(1) != 1:
+            page_table = page_table.contiguous()
+    capacity = st.capacity
+
+    # Per-sequence lengths and query positions, as the kernel reads them (no work per call
+    # when they are ints or int32 tensors already on the device).
+    fix_len = "pass one length per sequence (ints, a list or an int32 tensor [B])"
+    kv = _lengths_arg("kv_lengths", capacity if kv_lengths is None else kv_lengths, B, device, fix_len)
+    ql = _lengths_arg("q_lengths", Lq if q_lengths is None else q_lengths, B, device, fix_len)
+    qs = None if q_offsets is None else _lengths_arg("q_offsets", q_offsets, B, device, fix_len)
+    if host_lengths is not None:
+        # The caller (PagedKVCache) knows the lengths on the host: check them without a sync.
+        host_kv, host_ql = host_lengths
+    else:
+        host_kv = None if kv_lengths is None else _host_ints(kv_lengths, B)
+        host_ql = None if q_lengths is None else _host_ints(q_lengths, B)
+    # (None with the default: every sequence is `capacity` keys long / Lq queries.)
+    kv_max = capacity if kv_lengths is None else (None if host_kv is None else max(host_kv))
+    if kv_lengths is not None and host_kv is not None and (min(host_kv) < 0 or kv_max > capacity):
+        raise expected("kv_lengths", f"lengths from 0 to {capacity} (the "
+                       + ("page table's capacity" if page_table is not None else "key's length") + ")",
+                       f"{min(host_kv)} .. {kv_max}", "clip the lengths or give a longer cache")
+    if q_lengths is not None and host_ql is not None and (min(host_ql) < 0 or max(host_ql) > Lq):
+        raise expected("q_lengths", f"counts from 0 to {Lq} (the query's length)",
+                       f"{min(host_ql)} .. {max(host_ql)}", "pad the query to the longest count")
+    if max_kv_len is None:
+        max_kv_len = capacity if kv_max is None else kv_max
+
+    if block_mask is not None:
+        mQ, mKV = st.mask_lengths
+        if kv_max is not None and kv_max > mKV:
+            raise expected("block_mask", f"a mask whose KV_LEN covers the longest sequence ({kv_max})",
+                           f"KV_LEN={mKV}", "build the mask for the cache's logical length")
+        q_end = _query_end(q_offsets, q_lengths, B, Lq, kv_max, host_ql)
+        if q_end is not None and q_end > mQ:
+            raise expected("block_mask", "a mask whose Q_LEN exceeds every query position "
+                           f"(q_idx runs up to {q_end - 1})", f"Q_LEN={mQ}",
+                           "build the mask for the cache's logical length (PagedKVCache.block_mask)")
+
+    num_splits = st.num_splits
+    if num_splits is None:
+        num_splits = choose_splits(device, st.programs, -(-max(1, max_kv_len) // st.block_n))
+
+    plan = _Plan()
+    plan.spec = st.spec
+    plan.merge_spec = None if num_splits == 1 else st.merge_spec
+    plan.seq, plan.page_table, plan.visit = (kv, qs, ql), page_table, st.visit
     plan.score_buffers = () if score_traced is None else score_traced.buffers
     plan.mask_buffers = () if mask_traced is None else mask_traced.buffers
-    plan.scale, plan.q_tile, plan.num_splits, plan.page_size = scale, q_tile, num_splits, page_size
-    plan.sparse_q = sparse_q or 16
-    plan.sparse_kv = sparse_kv or opts["BLOCK_N"]
+    plan.scale, plan.q_tile, plan.num_splits, plan.page_size = scale, st.q_tile, num_splits, st.page_size
+    plan.sparse_q, plan.sparse_kv = st.sparse_q, st.sparse_kv
     return plan
+
+
+def _query_end(q_offsets, q_lengths, B, Lq, kv_max, host_ql):
+    """One past the largest query position (max of q_offsets + q_lengths), or None when not on the host."""
+    if q_offsets is None:
+        # The default positions (each sequence's last tokens): q_offsets + q_lengths = kv_lengths.
+        return None if q_lengths is not None and host_ql is None else kv_max
+    host_qs = _host_ints(q_offsets, B)
+    if host_qs is None:
+        return None
+    if q_lengths is None:
+        return max(host_qs) + Lq
+    return None if host_ql is None else max(s + q for s, q in zip(host_qs, host_ql))
 
 
 def decode_attention(query, key, value, score_mod=None, block_mask=None, scale=None,

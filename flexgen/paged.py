@@ -85,8 +85,10 @@ class PagedKVCache:
                            "pick one of those")
         device = torch.device(device if device is not None else
                               ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype, self.device = dtype, device
         self.k_cache = torch.zeros(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        # The tensor's device names its index ("cuda" -> "cuda:0"), as the inputs' devices do.
+        self.dtype, self.device = dtype, self.k_cache.device
+        device = self.device
         self.v_cache = torch.zeros(num_pages, page_size, num_kv_heads, self.v_head_dim,
                                    dtype=dtype, device=device)
         # Unused entries point at page 0: a stray read stays inside the cache.
@@ -98,6 +100,8 @@ class PagedKVCache:
         self._active = [False] * max_batch
         self._free_pages = list(range(num_pages - 1, -1, -1))     # a stack: lowest ids first
         self._tensors: dict = {}                                  # small cached index tensors
+        self._row_views: dict = {}                                # n -> views of the first n rows
+        self._write_spec = None                                   # the paged_write kernel's spec
 
     # --- bookkeeping ------------------------------------------------------------------
     @property
@@ -153,7 +157,12 @@ class PagedKVCache:
             slots = slots.reshape(-1).tolist()
         elif isinstance(slots, int):
             slots = [slots]
-        slots = [self._check_slot(s) for s in slots]
+        slots = list(slots)
+        active, n = self._active, self.max_batch
+        # The common case (active slots as plain ints) checked inline; anything else
+        # goes through _check_slot, which converts or explains.
+        if not all(type(s) is int and 0 <= s < n and active[s] for s in slots):
+            slots = [self._check_slot(s) for s in slots]
         if len(set(slots)) != len(slots):
             raise expected("slots", "distinct sequence slots", slots, "list each sequence once")
         return slots
@@ -189,25 +198,52 @@ class PagedKVCache:
                 pages.append(page)
                 self._pages[slot].append(page)
         if pages:
-            index = torch.tensor([rows, cols, pages], dtype=torch.int64).to(self.device)
+            index = self._to_device([rows, cols, pages], torch.int64)
             self.page_table[index[0], index[1]] = index[2].to(torch.int32)
 
-    def _index(self, name, values):
-        """A small cached device tensor of int32 ``values`` (no per-step allocation or copy)."""
-        key = (name, tuple(values))
+    def _to_device(self, values, dtype) -> torch.Tensor:
+        """``values`` as a tensor on the cache's device, copied without waiting for the GPU."""
+        t = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda":
+            # A plain host-to-device copy synchronizes the stream; from pinned memory it is
+            # queued (the caching host allocator keeps the block until the copy is done).
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    def _index(self, name, values, dtype=torch.int32):
+        """A small cached device tensor of ``values`` (no per-step allocation or copy).
+
+        Keyed on the values themselves, so it can never be stale (these tensors are
+        flexgen's own and only ever read).
+        """
+        key = (name, dtype, tuple(values))
         t = self._tensors.get(key)
         if t is None:
             if len(self._tensors) > 256:
                 self._tensors.clear()
-            t = self._tensors[key] = torch.tensor(values, dtype=torch.int32, device=self.device)
+            t = self._tensors[key] = self._to_device(values, dtype)
         return t
+
+    def _prefix(self, n):
+        """Views (page_table[:n], lengths[:n]), kept per n.
+
+        They share the tensors' memory, so a page or length written in place is seen;
+        a reassigned (or re-allocated) table or lengths tensor misses.
+        """
+        table, lengths = self.page_table, self.lengths
+        hit = self._row_views.get(n)
+        if hit is None or hit[0] is not table or hit[1] is not lengths \
+                or hit[2].data_ptr() != table.data_ptr() or hit[3].data_ptr() != lengths.data_ptr():
+            hit = self._row_views[n] = (table, lengths, table[:n], lengths[:n])
+        return hit[2], hit[3]
 
     def _rows(self, slots):
         """(page table rows, device lengths) of ``slots``: views when they are 0 .. B-1."""
-        if slots == list(range(len(slots))):
-            n = len(slots)
-            return self.page_table[:n], self.lengths[:n]
-        index = self._index("slots", slots).long()
+        n = len(slots)
+        if slots == list(range(n)):
+            return self._prefix(n)
+        # Gathered on every call (copies): the table changes in place.
+        index = self._index("slots", slots, torch.int64)
         return self.page_table[index], self.lengths[index]
 
     # --- writing ----------------------------------------------------------------------
@@ -258,18 +294,20 @@ class PagedKVCache:
                 key = key.contiguous()
             if value.stride(-1) != 1:
                 value = value.contiguous()
-            spec = kernel_spec("paged_write", qk_head=self.head_dim, v_head=self.v_head_dim,
-                              dtype=DTYPES[self.dtype],
-                              block_m=64 if self.device.type != "cuda" else 32, num_warps=4)
+            spec = self._write_spec
+            if spec is None:
+                spec = self._write_spec = kernel_spec(
+                    "paged_write", qk_head=self.head_dim, v_head=self.v_head_dim,
+                    dtype=DTYPES[self.dtype], block_m=64 if self.device.type != "cuda" else 32,
+                    num_warps=4)
             launch.run(spec, self.device, key, value, self.k_cache, self.v_cache, self.page_table,
                        self._index("slots", slots), self.lengths, self._index("counts", counts))
         for s, c in zip(slots, counts):
             self._lengths[s] += c
         if slots == list(range(B)) and len(set(counts)) == 1:
-            self.lengths[:B] += counts[0]
-        else:
-            index = self._index("slots", slots).long()
-            self.lengths[index] += self._index("counts", counts)
+            self._prefix(B)[1].add_(counts[0])
+        else:     # the slots are distinct: one scatter-add
+            self.lengths.index_add_(0, self._index("slots", slots, torch.int64), self._index("counts", counts))
 
     # --- reading ----------------------------------------------------------------------
     def attention(self, query, slots, score_mod=None, mask_mod=None, block_mask=None, scale=None,

@@ -248,6 +248,65 @@ def test_flex_attention_checks_short_queries_like_long_ones():
         flex_attention(q, k, v, score_mod=lambda score: score)
 
 
+def test_repeated_calls_follow_what_changes_between_them():
+    """The plan's static half is memoized; lengths, captured values and errors are per call.
+
+    Same shapes and mods every call (a decode loop): lengths grown in place in the
+    same tensor (the split count follows them), a captured tensor updated in place,
+    and a bad length after good calls still raises.
+    """
+    from flexgen import decode
+    B, Hq, Hkv, L = 2, 4, 2, 200
+    q, k, v = inputs(B, Hq, Hkv, 1, L, seed=9)
+    bias = torch.zeros(Hq, L)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[h, kv_idx]
+
+    lengths = torch.tensor([30, 20], dtype=torch.int32)
+    splits = set()
+    for step, (n0, n1) in enumerate([(30, 20), (31, 21), (150, 90), (151, 91)]):
+        lengths[0], lengths[1] = n0, n1                      # in place, like a serving loop
+        bias.normal_(generator=gen(20 + step))               # in place: the kernel reads it
+        plan = decode._plan(q, k, v, biased, None, None, True, lengths, None, causal_mask, None,
+                            None, None, None, None)
+        splits.add(plan.num_splits)
+        got = decode_attention(q, k, v, score_mod=biased, mask_mod=causal_mask, enable_gqa=True,
+                               return_lse=True, kv_lengths=lengths)
+        assert_matches(got, reference(q, k, v, biased, causal_mask, kv_lengths=[n0, n1]), 1e-5)
+    assert splits == {1, 2}            # one 64-key tile: no split; three tiles: the merge runs
+    with pytest.raises(InputError, match="kv_lengths"):
+        decode_attention(q, k, v, score_mod=biased, mask_mod=causal_mask, enable_gqa=True,
+                         kv_lengths=[L + 1, 3])
+    with pytest.raises(InputError, match="scale"):
+        decode_attention(q, k, v, score_mod=biased, mask_mod=causal_mask, enable_gqa=True,
+                         kv_lengths=lengths, scale=True)
+
+
+def test_block_mask_memo_follows_reassigned_fields():
+    """A mask's derived visit lists are recomputed when its list fields are reassigned."""
+    from flexgen.decode import _visit_lists
+    mask = create_block_mask(causal_mask, None, None, 64, 256, device="cpu", BLOCK_SIZE=16)
+    first = _visit_lists(mask, 1)
+    assert _visit_lists(mask, 1) is first
+    other = create_block_mask(sliding_window(20), None, None, 64, 256, device="cpu", BLOCK_SIZE=16)
+    mask.kv_num_blocks, mask.kv_indices = other.kv_num_blocks, other.kv_indices
+    mask.full_kv_num_blocks, mask.full_kv_indices = other.full_kv_num_blocks, other.full_kv_indices
+    again = _visit_lists(mask, 1)
+    assert again is not first
+    assert all(torch.equal(a, b) for a, b in zip(again, _visit_lists(other, 1)))
+
+
+def test_static_memo_is_bounded(monkeypatch):
+    from flexgen import decode, launch
+    monkeypatch.setattr(launch, "run", lambda *args, **kwargs: None)
+    monkeypatch.setattr(decode, "MAX_STATIC", 4)
+    for n in range(1, 11):
+        q, k, v = inputs(1, 2, 2, n, 40, seed=n)
+        decode_attention(q, k, v)
+        assert len(decode._STATIC) <= 4
+
+
 def test_kernel_source_names_the_mods():
     q, k, v = inputs(1, 4, 2, 1, 64)
     text = decode_kernel_source(q, k, v, score_mod=tanh_softcap(7.0), mask_mod=causal_mask, enable_gqa=True)

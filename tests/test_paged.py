@@ -209,6 +209,79 @@ def test_free_reuse_and_full_cache():
     assert cache.num_free_pages == 1 and cache.length(b) == 48 and cache.length(c) == 30
 
 
+def test_page_table_grows_in_place_between_steps():
+    """Slots 0 .. B-1 read the table through views kept between calls: pages appended in
+    place (every 16 tokens here) are seen, and so is a table the user reassigns."""
+    Hkv, Hq, D = 2, 4, 32
+    cache = make_cache(16, num_pages=24, max_batch=2, seed=7)
+    track = Tracker(cache)
+    slots = [cache.add_sequence(), cache.add_sequence()]
+    assert slots == [0, 1]
+    track.append(slots, randn(2, Hkv, 14, D, seed=1), randn(2, Hkv, 14, D, seed=2), counts=[14, 9])
+    block_mask = cache.block_mask(causal_mask, BLOCK_SIZE=16)
+    for step in range(7):                          # 14 -> 21 and 9 -> 16 tokens: new pages
+        if step == 4:
+            cache.page_table = cache.page_table.clone()   # a new table object: views are renewed
+        track.append(slots, randn(2, Hkv, 1, D, seed=10 + step), randn(2, Hkv, 1, D, seed=30 + step))
+        q = randn(2, Hq, 1, D, seed=50 + step)
+        for mods in (dict(block_mask=block_mask), dict(mask_mod=causal_mask, score_mod=alibi(Hq))):
+            got = cache.attention(q, slots, return_lse=True, **mods)
+            assert_matches(got, reference(cache, slots, q, mods.get("score_mod"), causal_mask))
+    assert [cache.length(s) for s in slots] == [21, 16] and len(cache.pages(0)) == 2
+
+
+def test_user_page_table_changed_in_place():
+    """decode_attention on a caller's int64 page table: converted on every call, never cached,
+    so pages moved (and the table rewritten in place) between two calls are followed."""
+    from flexgen.decode import decode_attention
+    Hkv, Hq, D = 2, 4, 32
+    cache = make_cache(16, num_pages=12, max_batch=2, seed=8)
+    track = Tracker(cache)
+    slots = [cache.add_sequence(), cache.add_sequence()]
+    track.append(slots, randn(2, Hkv, 40, D, seed=1), randn(2, Hkv, 40, D, seed=2), counts=[40, 23])
+    q = randn(2, Hq, 1, D, seed=3)
+    want = reference(cache, slots, q, tanh_softcap(3.0), causal_mask)
+    table = cache.page_table[:2].long()
+    lengths = torch.tensor([40, 23], dtype=torch.int32)
+
+    def run():
+        return decode_attention(q, cache.k_cache, cache.v_cache, score_mod=tanh_softcap(3.0),
+                                mask_mod=causal_mask, enable_gqa=True, return_lse=True,
+                                kv_lengths=lengths, page_table=table)
+    assert_matches(run(), want)
+    # Move slot 0's first page to a free page, in place in the table and the caches.
+    old, new = int(table[0, 0]), cache._free_pages[-1]
+    for c in (cache.k_cache, cache.v_cache):
+        c[new] = c[old]
+        c[old] = 0
+    table[0, 0] = new
+    assert_matches(run(), want)
+
+
+def test_decode_step_reads_nothing_back(monkeypatch):
+    """append + attention on a warm cache never read a tensor back to the host (a GPU sync)."""
+    from flexgen import launch
+    Hkv, Hq, D = 2, 4, 32
+    cache = make_cache(16, num_pages=16, max_batch=3, seed=9)
+    slots = [cache.add_sequence() for _ in range(3)]
+    cache.append(slots, randn(3, Hkv, 14, D, seed=1), randn(3, Hkv, 14, D, seed=2), counts=[14, 3, 8])
+    block_mask = cache.block_mask(causal_mask, BLOCK_SIZE=16)
+    k1, v1, q = randn(3, Hkv, 1, D, seed=3), randn(3, Hkv, 1, D, seed=4), randn(3, Hq, 1, D, seed=5)
+    for order in (slots, slots[::-1]):            # warm: the mask's visit lists are built once
+        cache.attention(q, order, score_mod=tanh_softcap(3.0), block_mask=block_mask)
+
+    def read_back(*args, **kwargs):
+        raise AssertionError("a tensor was read back to the host")
+    monkeypatch.setattr(launch, "run", lambda *args, **kwargs: None)
+    for name in ("item", "tolist", "__int__", "__index__", "__bool__", "__float__", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, read_back)
+    for _ in range(4):                             # crosses a page boundary (14 -> 18 tokens)
+        for order in (slots, slots[::-1]):
+            cache.append(order, k1, v1)
+            cache.attention(q, order, score_mod=tanh_softcap(3.0), block_mask=block_mask)
+            cache.attention(q, order, mask_mod=causal_mask)
+
+
 def test_half_precision_cache():
     """float32 inputs written into a bfloat16 cache (rounded as torch rounds), Dv != D."""
     Hkv, Hq, D, Dv = 2, 8, 32, 16
