@@ -152,7 +152,8 @@ def _call_key(query, key, value, score_traced, block_mask, scale, enable_gqa, ke
         mask = (block_mask.seq_lengths, *map(id, (block_mask, *_mask_lists(block_mask))))
     # fp32 on the GPU uses tf32 only where torch allows it (spec.dot_precision).
     tf32 = query.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
-    return (id(score_traced), mask, scale, enable_gqa, options, tf32,
+    # scale's type too: True == 1 (and hashes alike), but only the int is a valid scale.
+    return (id(score_traced), mask, type(scale), scale, enable_gqa, options, tf32,
             *[(t.shape, t.stride(), t.dtype, t.device) for t in tensors])
 
 

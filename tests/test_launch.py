@@ -237,3 +237,6 @@ def test_a_bad_call_still_raises_after_a_good_one():
         _prepare(q, q[:, :1], q[:, :1])
     with pytest.raises(InputError, match="kernel_options"):
         _prepare(q, q, q, kernel_options={"BLOCK_Q": 64})
+    _prepare(q, q, q, scale=1)
+    with pytest.raises(InputError, match="scale"):
+        _prepare(q, q, q, scale=True)       # equal to 1, and still not a scale
