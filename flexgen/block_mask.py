@@ -2,8 +2,10 @@
 
 ``create_block_mask`` never builds the dense ``[Q_LEN, KV_LEN]`` mask. It
 classifies blocks with interval bounds of the canonical mask expression
-(``flexgen.bounds``), then runs a generated kernel on the blocks the bounds
-leave undecided, which evaluates mask_mod on their elements. The result is a
+(``flexgen.bounds``), then evaluates mask_mod on the elements of the blocks
+the bounds leave undecided: with torch ops when they are few
+(``flexgen.mask_eval``, no kernel to compile), else with a generated kernel.
+The result is a
 dense ``[B, H, NQ, NKV]`` int8 block state, O(number of blocks), compacted
 into the index lists the attention kernels read (torch's BlockMask layout).
 """
@@ -11,24 +13,39 @@ from __future__ import annotations
 
 import torch
 
-from . import bounds, launch
+from . import bounds, launch, mask_eval
 from .checks import check_buffers
 from .errors import expected
 from .lowering import buffer_map, lower
 from .spec import KernelSpec
-from .trace import trace
+from .trace import trace, trace_cached
 
 
-def _lists(states: torch.Tensor, value: int):
-    """(count [..., N], indices [..., N, M]) of the entries equal to ``value`` along the last dim.
+def _lists(states: torch.Tensor) -> tuple:
+    """(partial_num, partial_idx, full_num, full_idx) along the last dim, and along dim -2.
 
-    Indices of matching blocks come first, in increasing order; the rest is padding.
+    ``states`` is int8 ``[B, H, NQ, NKV]``. Per row, a list holds the indices
+    of its blocks in the state, in increasing order, then the other indices
+    in increasing order as padding (torch's layout). The "q" lists (per kv
+    block) come out as transposed views, ``[B, H, NKV, NQ]``, as before.
+    Both states are handled by each op (a leading dim of 2), which keeps the
+    number of launches down; the results are separate tensors, each freshly
+    allocated (aligned, as kernels specialize on pointer alignment).
     """
-    hit = states == value
-    count = hit.sum(-1, dtype=torch.int32)
+    values = torch.arange(bounds.PARTIAL, bounds.FULL + 1, dtype=states.dtype, device=states.device)
+    hit = states == values.view(2, 1, 1, 1, 1)           # [2, B, H, NQ, NKV]
     # A stable sort of "not a hit" puts the hits first, each group in index order.
-    order = torch.sort((~hit).to(torch.int8), dim=-1, stable=True).indices
-    return count, order.to(torch.int32)
+    miss = (~hit).view(torch.int8)
+    kv_order = miss.sort(dim=-1, stable=True).indices
+    q_order = miss.transpose(-1, -2).sort(dim=-1, stable=True).indices
+    # The q lists keep the layout they always had: the transposed view's
+    # strides, or contiguous where that view is contiguous (NQ or NKV of 1).
+    q_format = (torch.contiguous_format if states.transpose(-1, -2).is_contiguous()
+                else torch.preserve_format)
+    kv = [(hit[i].sum(-1, dtype=torch.int32), kv_order[i].to(torch.int32)) for i in (0, 1)]
+    q = [(hit[i].sum(-2, dtype=torch.int32), q_order[i].to(torch.int32, memory_format=q_format))
+         for i in (0, 1)]
+    return (*kv[0], *kv[1]), (*q[0], *q[1])
 
 
 class BlockMask:
@@ -74,13 +91,8 @@ class BlockMask:
     @classmethod
     def from_states(cls, states: torch.Tensor, BLOCK_SIZE, mask_mod, seq_lengths) -> "BlockMask":
         """Build the index lists from an int8 ``[B, H, NQ, NKV]`` of EMPTY / PARTIAL / FULL."""
-        kv_num, kv_idx = _lists(states, bounds.PARTIAL)
-        full_kv_num, full_kv_idx = _lists(states, bounds.FULL)
-        transposed = states.transpose(-1, -2)
-        q_num, q_idx = _lists(transposed, bounds.PARTIAL)
-        full_q_num, full_q_idx = _lists(transposed, bounds.FULL)
-        return cls(kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx,
-                   BLOCK_SIZE, mask_mod, seq_lengths)
+        kv_lists, q_lists = _lists(states)
+        return cls(*kv_lists, *q_lists, BLOCK_SIZE, mask_mod, seq_lengths)
 
     @property
     def shape(self) -> tuple:
@@ -201,21 +213,40 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     device = torch.device(device) if device is not None else default_device()
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    traced = trace(mask_mod, "mask_mod")
+    traced = trace_cached(mask_mod, "mask_mod")
     lowered = lower(traced)
     check_buffers(traced, device, like="the mask")
     states = bounds.classify(lowered.expr, Bn, Hn, Q_LEN, KV_LEN, q_block, kv_block,
                              buffer_map(traced), device)
-    undecided = (states == bounds.UNDECIDED).nonzero().to(torch.int32).contiguous()
+    undecided = (states == bounds.UNDECIDED).nonzero()          # [N, 4]: b, h, q block, kv block
     if undecided.shape[0]:
-        decided = torch.empty(undecided.shape[0], dtype=torch.int8, device=device)
-        spec = KernelSpec("block_mask", mask=lowered.snippet, mask_buffers=lowered.buffers,
-                          num_warps=4)
-        launch.run(spec, device, undecided, decided, traced.buffers, Q_LEN, KV_LEN, q_block, kv_block)
-        states[tuple(undecided.long().unbind(1))] = decided
+        index = tuple(undecided.unbind(1))
+        states[index] = _classify_undecided(lowered, traced, undecided, Q_LEN, KV_LEN, q_block, kv_block)
     mask = BlockMask.from_states(states, (q_block, kv_block), mask_mod, (Q_LEN, KV_LEN))
     mask._traced = traced
     return mask
+
+
+def _classify_undecided(lowered, traced, blocks, Q_LEN, KV_LEN, q_block, kv_block):
+    """int8 [N]: EMPTY / PARTIAL / FULL of each undecided block, looking at its elements.
+
+    A few blocks are evaluated with torch ops (``flexgen.mask_eval``), which
+    costs no kernel compile; many, or a mask the torch path cannot run, go
+    to the generated block-mask kernel.
+    """
+    if blocks.shape[0] * q_block * kv_block <= mask_eval.TORCH_MAX_ELEMENTS:
+        try:
+            return mask_eval.classify_blocks(lowered, traced.buffers, blocks, Q_LEN, KV_LEN,
+                                             q_block, kv_block)
+        except mask_eval.Unsupported:
+            pass
+    device = blocks.device
+    decided = torch.empty(blocks.shape[0], dtype=torch.int8, device=device)
+    spec = KernelSpec("block_mask", mask=lowered.snippet, mask_buffers=lowered.buffers, num_warps=4)
+    # nonzero's result is column-major: the kernel reads rows of 4 contiguous ints.
+    rows = blocks.to(torch.int32, memory_format=torch.contiguous_format)
+    launch.run(spec, device, rows, decided, traced.buffers, Q_LEN, KV_LEN, q_block, kv_block)
+    return decided
 
 
 def create_mask(mod, B, H, Q_LEN, KV_LEN, device=None) -> torch.Tensor:

@@ -14,57 +14,94 @@ Work and memory are O(number of blocks + buffer size), never O(Q_LEN x KV_LEN).
 """
 from __future__ import annotations
 
+import functools
 import math
+import operator
 
 import sympy
 import torch
 from sympy.core.function import UndefinedFunction
 
-from .expr import INDEX_SYMBOLS
+from .expr import INDEX_SYMBOLS, is_bool
 
 EMPTY, PARTIAL, FULL, UNDECIDED = 0, 1, 2, 3
 INF = math.inf
+_INDEX_SET = frozenset(INDEX_SYMBOLS.values())
 
 
 class _Evaluator:
     def __init__(self, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, buffers: dict, device):
         self.device = device
+        self.B, self.H = B, H
         self.Q_LEN, self.KV_LEN, self.Q_BLOCK, self.KV_BLOCK = Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK
         self.nq, self.nkv = -(-Q_LEN // Q_BLOCK), -(-KV_LEN // KV_BLOCK)
-        f64 = dict(dtype=torch.float64, device=device)
-        b = torch.arange(B, **f64).view(B, 1, 1, 1)
-        h = torch.arange(H, **f64).view(1, H, 1, 1)
-        q_lo = torch.arange(self.nq, **f64) * Q_BLOCK
-        kv_lo = torch.arange(self.nkv, **f64) * KV_BLOCK
-        q_hi = torch.clamp(q_lo + Q_BLOCK, max=Q_LEN) - 1
-        kv_hi = torch.clamp(kv_lo + KV_BLOCK, max=KV_LEN) - 1
-        self.env = {
-            INDEX_SYMBOLS["b"]: (b, b), INDEX_SYMBOLS["h"]: (h, h),
-            INDEX_SYMBOLS["q_idx"]: (q_lo.view(1, 1, -1, 1), q_hi.view(1, 1, -1, 1)),
-            INDEX_SYMBOLS["kv_idx"]: (kv_lo.view(1, 1, 1, -1), kv_hi.view(1, 1, 1, -1)),
-        }
+        self.env = {}               # index symbol -> (lo, hi), made on first use (see symbol)
         self.buffers = buffers      # sympy function name -> captured tensor
         self.memo = {}
+        self.finite = set()         # expressions whose bounds are finite (never nan)
+        # buffer name -> its float64 copy; (name, dim, length, block) -> per-block (min, max)
+        self.reduced = {}
 
+    # torch.full, not torch.tensor: no host-to-device copy (which waits for the GPU).
     def unknown(self):
-        return torch.tensor(-INF, dtype=torch.float64, device=self.device), \
-            torch.tensor(INF, dtype=torch.float64, device=self.device)
+        return torch.full((), -INF, dtype=torch.float64, device=self.device), \
+            torch.full((), INF, dtype=torch.float64, device=self.device)
 
     def const(self, v):
-        t = torch.tensor(float(v), dtype=torch.float64, device=self.device)
+        t = torch.full((), float(v), dtype=torch.float64, device=self.device)
         return t, t
 
     def __call__(self, e):
         if e not in self.memo:
             lo, hi = self.evaluate(e)
-            # nan comes from inf - inf or 0 * inf: the bound is then unknown.
-            self.memo[e] = (torch.nan_to_num(lo, nan=-INF, posinf=INF, neginf=-INF),
-                            torch.nan_to_num(hi, nan=INF, posinf=INF, neginf=-INF))
+            if self.is_finite(e):
+                self.finite.add(e)
+            else:
+                # nan comes from inf - inf or 0 * inf: the bound is then unknown.
+                lo = torch.nan_to_num(lo, nan=-INF, posinf=INF, neginf=-INF)
+                hi = torch.nan_to_num(hi, nan=INF, posinf=INF, neginf=-INF)
+            self.memo[e] = (lo, hi)
         return self.memo[e]
 
+    def is_finite(self, e) -> bool:
+        """Whether ``e``'s bounds are finite by construction, so nan_to_num can be skipped.
+
+        Index symbols and finite numbers are; truth values are 0 or 1; sums,
+        products, floor and ceiling of finite bounds are finite. Index
+        arithmetic (every common mask) never needs the cleanup.
+        """
+        if e in _INDEX_SET or e in self.finite or is_bool(e):
+            return True
+        if e.is_Number:
+            return bool(e.is_finite)
+        return isinstance(e, (sympy.Add, sympy.Mul, sympy.floor, sympy.ceiling)) and \
+            all(a in self.finite or _finite_number(a) for a in e.args)
+
+    def symbol(self, e):
+        """(lo, hi) of an index symbol over each block, made when an expression first uses it.
+
+        Lazily, because every op counts when a mask is built per training step,
+        and a document mask reads q_idx and kv_idx only through buffer loads.
+        """
+        if e not in self.env:
+            f64 = dict(dtype=torch.float64, device=self.device)
+            if e.name in ("b", "h"):
+                n = self.B if e.name == "b" else self.H
+                t = torch.arange(n, **f64).view((n, 1, 1, 1) if e.name == "b" else (1, n, 1, 1))
+                self.env[e] = (t, t)
+            else:
+                # First and last position of each block (the last clamped to the length).
+                n, block, length = ((self.nq, self.Q_BLOCK, self.Q_LEN) if e.name == "q_idx"
+                                    else (self.nkv, self.KV_BLOCK, self.KV_LEN))
+                shape = (1, 1, -1, 1) if e.name == "q_idx" else (1, 1, 1, -1)
+                lo = torch.arange(0, n * block, block, **f64)
+                hi = torch.arange(block - 1, n * block, block, **f64).clamp_(max=length - 1)
+                self.env[e] = (lo.view(shape), hi.view(shape))
+        return self.env[e]
+
     def evaluate(self, e):
-        if e in self.env:
-            return self.env[e]
+        if e in _INDEX_SET:
+            return self.symbol(e)
         if e is sympy.true or e is sympy.false:
             return self.const(1 if e is sympy.true else 0)
         if e.is_Number:
@@ -76,10 +113,23 @@ class _Evaluator:
 
     # --- numbers -------------------------------------------------------------------
     def op_Add(self, e):
-        los, his = zip(*(self(a) for a in e.args))
-        return sum(los), sum(his)
+        # A number term (sympy puts it first) is added as a Python float: no tensor for it.
+        # Summed in sympy's argument order, as before, so the rounding is unchanged.
+        if _finite_number(e.args[0]):
+            c, terms = float(e.args[0]), e.args[1:]
+        else:
+            c, terms = None, e.args
+        los, his = zip(*(self(a) for a in terms))
+        lo, hi = (los[0], his[0]) if c is None else (los[0] + c, his[0] + c)
+        return functools.reduce(operator.add, los[1:], lo), functools.reduce(operator.add, his[1:], hi)
 
     def op_Mul(self, e):
+        if len(e.args) == 2 and _finite_number(e.args[0]) and e.args[0] != 0:
+            # c * x (-kv_idx, 2 * q_idx): two scalings instead of the four
+            # products of two intervals, with the same values.
+            c = float(e.args[0])
+            lo, hi = self(e.args[1])
+            return (lo * c, hi * c) if c > 0 else (hi * c, lo * c)
         lo, hi = self(e.args[0])
         for a in e.args[1:]:
             l2, h2 = self(a)
@@ -198,14 +248,25 @@ class _Evaluator:
         tensor = self.buffers.get(e.func.__name__)
         if tensor is None:
             return self.unknown()
-        t_lo = t_hi = tensor.to(device=self.device, dtype=torch.float64)
+        name = e.func.__name__
+        if name not in self.reduced:
+            self.reduced[name] = tensor.to(device=self.device, dtype=torch.float64)
+        t_lo = t_hi = raw = self.reduced[name]
         index = []
         for d, arg in enumerate(e.args):
             if arg in (INDEX_SYMBOLS["q_idx"], INDEX_SYMBOLS["kv_idx"]):
                 is_q = arg == INDEX_SYMBOLS["q_idx"]
                 length, block = (self.Q_LEN, self.Q_BLOCK) if is_q else (self.KV_LEN, self.KV_BLOCK)
-                t_lo = _block_reduce(t_lo, d, length, block, torch.amin)
-                t_hi = _block_reduce(t_hi, d, length, block, torch.amax)
+                key = (name, d, length, block)
+                if t_lo is raw:
+                    # Memoized: doc[q_idx] and doc[kv_idx] reduce alike when the blockings match.
+                    if key not in self.reduced:
+                        self.reduced[key] = (_block_reduce(raw, d, length, block, torch.amin),
+                                             _block_reduce(raw, d, length, block, torch.amax))
+                    t_lo, t_hi = self.reduced[key]
+                else:
+                    t_lo = _block_reduce(t_lo, d, length, block, torch.amin)
+                    t_hi = _block_reduce(t_hi, d, length, block, torch.amax)
                 blocks = torch.arange(t_lo.shape[d], device=self.device)
                 index.append(blocks.view((1, 1, -1, 1) if is_q else (1, 1, 1, -1)))
                 continue
@@ -219,6 +280,8 @@ class _Evaluator:
             if ((i < 0) | (i >= size)).any():
                 return self.unknown()
             index.append(i)
+        if not tensor.is_floating_point():
+            self.finite.add(e)      # integer values: no inf, no nan
         if not index:
             return t_lo, t_hi
         return t_lo[tuple(index)], t_hi[tuple(index)]
@@ -246,8 +309,11 @@ def classify(expr, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, buffers: dict, device
     ev = _Evaluator(B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, buffers, device)
     lo, hi = ev(expr)
     shape = (B, H, ev.nq, ev.nkv)
-    lo, hi = lo.expand(shape), hi.expand(shape)
     states = torch.full(shape, UNDECIDED, dtype=torch.int8, device=device)
-    states[lo >= 1] = FULL
-    states[hi <= 0] = EMPTY
+    states.masked_fill_(lo >= 1, FULL)
+    states.masked_fill_(hi <= 0, EMPTY)
     return states
+
+
+def _finite_number(e) -> bool:
+    return bool(e.is_Number and e.is_finite)

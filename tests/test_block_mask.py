@@ -194,14 +194,45 @@ def test_create_mask_of_score_mod():
                        create_mask(M.causal_mask, 1, 1, 20, 20, device="cpu"))
 
 
-def test_new_lengths_reuse_the_mask_kernel():
+def test_new_lengths_reuse_the_mask_kernel(monkeypatch):
     def odd_band(b, h, q_idx, kv_idx):   # needs the element kernel (undecided blocks)
         return ((q_idx + kv_idx) % 5 != 0) & (abs(q_idx - kv_idx) < 30)
 
+    # Undecided blocks go to the kernel, not to torch ops, whatever their number.
+    monkeypatch.setattr(flexgen.mask_eval, "TORCH_MAX_ELEMENTS", -1)
+    launched = []
+    run = flexgen.launch.run
+    monkeypatch.setattr(flexgen.launch, "run", lambda spec, *a, **k: launched.append(spec.key) or
+                        run(spec, *a, **k))
     check_mask(odd_band, None, None, 100, 100, 32)
     n = len(flexgen.cache._MODULES)
     check_mask(odd_band, None, None, 173, 211, 32)
     assert len(flexgen.cache._MODULES) == n
+    assert len(launched) == 2 and launched[0] == launched[1]
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 7, 5), (2, 3, 5, 7), (2, 1, 1, 6), (1, 2, 6, 1), (1, 1, 1, 1),
+                                   (1, 1, 40, 33)])
+def test_lists_layout_and_padding(shape):
+    """Every field, padding included, is what a stable sort of "not in this state" gives
+    (torch's layout), with the dtypes and strides the lists have always had."""
+    states = torch.randint(0, 3, shape, dtype=torch.int8)
+    mask = BlockMask.from_states(states, (16, 16), None, (16 * shape[2], 16 * shape[3]))
+
+    def reference(rows, value):
+        hit = rows == value
+        order = torch.sort((~hit).to(torch.int8), dim=-1, stable=True).indices
+        return hit.sum(-1, dtype=torch.int32), order.to(torch.int32)
+
+    transposed = states.transpose(-1, -2)
+    expected = {"kv": reference(states, PARTIAL), "full_kv": reference(states, FULL),
+                "q": reference(transposed, PARTIAL), "full_q": reference(transposed, FULL)}
+    for prefix, (num, idx) in expected.items():
+        for name, want in ((f"{prefix}_num_blocks", num), (f"{prefix}_indices", idx)):
+            got = getattr(mask, name)
+            assert got.dtype == want.dtype and got.shape == want.shape, name
+            assert got.stride() == want.stride(), (name, got.stride(), want.stride())
+            assert torch.equal(got, want), name
 
 
 MEMORY_SCRIPT = textwrap.dedent("""
