@@ -3,6 +3,7 @@
     python benchmarks/bench_forward.py                       # the default subset (~5 min on an H100)
     python benchmarks/bench_forward.py --variants full,causal --lengths 2k,16k --dims 128
     python benchmarks/bench_forward.py --smoke               # tiny sizes on CPU: checks the script only
+    python benchmarks/bench_forward.py --flexgen-options '{"USE_TMA": true}'   # flexgen's TMA kernel
 
 Peers, per case: ``torch.compile(torch.nn.attention.flex_attention)`` (a fresh
 compile after ``torch._dynamo.reset()`` for every case, ``fullgraph=True`` so a
@@ -23,6 +24,14 @@ Also: ``create_block_mask`` at 32k for causal and document masks (flexgen,
 torch eager, torch ``_compile=True``: median time and peak extra GPU memory),
 and the warm per-call host overhead on tiny inputs (B=1, H=1, L=128, D=64).
 
+``--flexgen-options JSON`` passes a dict as flexgen's ``kernel_options`` in
+every timed flexgen call of the cases (not the mask or overhead sections),
+e.g. ``{"USE_TMA": true}`` for the kernel that moves Q, K, V and the output
+through TMA descriptors; the JSON records it (``config.flexgen_options``) and,
+per case, the tiles and path of the kernel that ran (``flexgen_kernel``).
+Two runs, one with and one without, compare the two paths (their torch and
+sdpa peers anchor the runs to each other).
+
 Writes ``bench_forward.json`` (and ``bench_forward.png`` when matplotlib is
 there) to ``--out``: ``$OUT`` when set, else ``benchmarks/results/`` under a
 name with the device and date. Prints a table at the end.
@@ -36,6 +45,7 @@ os.environ.pop("FLEXGEN_POISON", None)
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
+import json  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
 import signal  # noqa: E402
@@ -170,6 +180,28 @@ def make_sets(B, H, L, D, dtype, device, gen):
             for _ in range(n)]
 
 
+def flexgen_kernel(inputs, score_mod, block_mask, options) -> dict | None:
+    """The path and tiles of the forward kernel flexgen planned for a call (None if unknown)."""
+    try:
+        from flexgen import api, launch
+        spec = api._prepare(*inputs, score_mod, block_mask, None, False, options).spec
+        spec = launch._FITS.get(spec.key, spec)      # stepped down to tiles that fit, if it had to
+        return dict(use_tma=getattr(spec, "use_tma", False), block_m=spec.block_m,
+                    block_n=spec.block_n, num_warps=spec.num_warps, num_stages=spec.num_stages)
+    except Exception:      # noqa: BLE001 - informational only
+        return None
+
+
+def parse_options(text):
+    """--flexgen-options: a JSON object, or None for an empty string."""
+    if not text:
+        return None
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 # ---------------------------------------------------------------------------
 # sections
 
@@ -221,12 +253,16 @@ def run_case(D, variant, L, args, timer, cuda, seed) -> dict:
     r["flexgen_mask_s"] = time.perf_counter() - t0
     r["block_density"] = block_density(fg_mask, B, L)
 
+    options = args.flexgen_options
+
     def fg(q, k, v):
-        return flexgen.flex_attention(q, k, v, score_mod=score_mod, block_mask=fg_mask)
+        return flexgen.flex_attention(q, k, v, score_mod=score_mod, block_mask=fg_mask,
+                                      kernel_options=options)
     t0 = time.perf_counter()
     ref_out = fg(*sets[0])
     timer.sync()
     r["flexgen_first_call_s"] = time.perf_counter() - t0
+    r["flexgen_kernel"] = flexgen_kernel(sets[0], score_mod, fg_mask, options)
     r["flexgen_ms"] = timer(rotating(fg, sets))
     r["flexgen_tflops"] = tflops(r["flexgen_ms"])
 
@@ -655,6 +691,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-overhead", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (interpreter): tests the script")
     ap.add_argument("--out", default=None, help="output folder (default $OUT, else benchmarks/results)")
+    ap.add_argument("--flexgen-options", type=parse_options, default=None, metavar="JSON",
+                    help='flexgen kernel_options for the timed calls, e.g. \'{"USE_TMA": true}\'')
     args = ap.parse_args(argv)
 
     cuda = not args.smoke
@@ -682,10 +720,12 @@ def main(argv=None) -> int:
     reserve = 0 if (args.no_mask_bench and args.no_overhead) else (10 if args.smoke else 60)
     payload = dict(env=env, config=dict(tokens=args.tokens, heads=args.heads, dtype="bfloat16", window=WINDOW,
                                         softcap=SOFTCAP, doc_avg=DOC_AVG, prefix="L/4", budget_s=args.budget,
-                                        grid=[list(g) for g in grid], argv=sys.argv[1:]),
+                                        grid=[list(g) for g in grid], argv=sys.argv[1:],
+                                        flexgen_options=args.flexgen_options),
                    cases=[])
     print(f"bench_forward on {env['device_name']}: torch {env['torch']}, triton {env['triton']}, "
-          f"{len(grid)} cases, budget {args.budget:.0f} s -> {json_path}", flush=True)
+          f"{len(grid)} cases, budget {args.budget:.0f} s -> {json_path}"
+          + (f", flexgen kernel_options {args.flexgen_options}" if args.flexgen_options else ""), flush=True)
     try:
         payload["ceiling"] = measure_ceiling(timer, cuda, args.smoke)
         print(f"  ceiling: {payload['ceiling']['matmul_tflops']:.0f} TFLOP/s bf16 matmul"

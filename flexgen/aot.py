@@ -14,6 +14,8 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.runtime.jit import mangle_type
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import cache, launch
 
@@ -29,6 +31,10 @@ _TRITON_DTYPES = {
 def _arg_type(value) -> str:
     if isinstance(value, torch.Tensor):
         return "*" + _TRITON_DTYPES[value.dtype]
+    if isinstance(value, TensorDescriptor):
+        # What Triton's launcher binds a host descriptor as: "tensordesc<bf16[1, 1, 64, 128]>"
+        # (its dtype and block shape; shape and strides stay runtime values).
+        return mangle_type(value)
     if isinstance(value, bool):
         return "i1"
     if isinstance(value, int):

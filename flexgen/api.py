@@ -20,14 +20,17 @@ from .checks import DTYPES, check_buffers, check_heads, check_scale, check_tenso
 from .decode import decode_attention, use_decode_path
 from .errors import expected
 from .lowering import lower
-from .spec import KernelSpec, dot_precision, kernel_spec, mod_fields
+from .spec import KernelSpec, dot_precision, kernel_spec, mod_fields, tma_supported
 from .trace import trace_cached
 
 OPTION_KEYS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
+# Switches (bools), not tiles: USE_TMA loads Q, K, V and stores the output through Hopper
+# TMA descriptors (forward kernel only; inputs TMA cannot address use the pointer kernel).
+FLAG_OPTIONS = {"USE_TMA"}
 # torch's kernel_options that only tune torch's own kernels: accepted, no effect here.
 TORCH_ONLY_OPTIONS = {"PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS",
                       "OUTPUT_LOGSUMEXP", "FORCE_USE_FLEX_ATTENTION", "WRITE_DQ", "BACKEND",
-                      "USE_TMA", "num_consumer_groups", "num_buffers_warp_spec"}
+                      "num_consumer_groups", "num_buffers_warp_spec"}
 
 # Set FLEXGEN_POISON=1 (the tests do) to fill outputs with NaN before each
 # launch, so an element the kernel fails to write shows up.
@@ -81,9 +84,13 @@ def _options(kernel: str, kernel_options, head_dim, dtype, device, sparse_q, spa
     for k, v in (kernel_options or {}).items():
         if k in TORCH_ONLY_OPTIONS:
             continue
+        if k in FLAG_OPTIONS:
+            if type(v) not in (bool, int) or v not in (0, 1):
+                raise expected(f"kernel_options[{k!r}]", "True or False", repr(v), "pass a bool")
+            continue
         if k not in OPTION_KEYS:
-            raise expected("kernel_options", f"keys among {sorted(OPTION_KEYS)}", repr(k),
-                           "remove the key or fix its spelling")
+            raise expected("kernel_options", f"keys among {sorted(OPTION_KEYS | FLAG_OPTIONS)}",
+                           repr(k), "remove the key or fix its spelling")
         if not isinstance(v, int) or v < 1:
             raise expected(f"kernel_options[{k!r}]", "a positive int", repr(v), "pass an int")
         opts[k] = v
@@ -164,6 +171,9 @@ def _prepare(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel
     if score_traced is None:
         score_traced = _trace_score(score_mod)
     memo = _call_key(query, key, value, score_traced, block_mask, scale, enable_gqa, kernel_options)
+    if memo is not None and isinstance(kernel_options, dict) and kernel_options.get("USE_TMA"):
+        # USE_TMA's choice also reads whether each base is 16-byte aligned (spec.tma_supported).
+        memo = (memo, tuple(t.data_ptr() % 16 == 0 for t in (query, key, value)))
     hit = _CALLS.get(memo) if memo is not None else None
     if hit is not None:
         return hit[0]
@@ -207,6 +217,7 @@ def _plan_call(query, key, value, score_traced, block_mask, scale, enable_gqa, k
         block_m=opts["BLOCK_M"], block_n=opts["BLOCK_N"],
         num_warps=opts["num_warps"], num_stages=opts["num_stages"],
         dot_precision=dot_precision(query),
+        use_tma=bool((kernel_options or {}).get("USE_TMA")) and tma_supported(query, key, value),
     )
     score_buffers = () if score_traced is None else score_traced.buffers
     return _Call(spec, sparse, score_traced, block_mask, score_buffers, mask_buffers, scale,

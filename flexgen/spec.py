@@ -19,7 +19,7 @@ import triton
 from . import __version__
 from .codegen import Snippet
 
-TEMPLATE_VERSIONS = {"forward": 1, "block_mask": 1,
+TEMPLATE_VERSIONS = {"forward": 2, "block_mask": 1,
                      "decode": 1, "decode_merge": 1, "paged_write": 1,
                      "backward": 1}
 
@@ -53,6 +53,7 @@ class KernelSpec:
     num_warps: int = 4
     num_stages: int = 1
     dot_precision: str = "ieee"
+    use_tma: bool = False          # forward: Q, K, V and the output through TMA tensor descriptors
     flexgen_version: str = __version__
     triton_version: str = triton.__version__
 
@@ -94,6 +95,38 @@ def dot_precision(query: torch.Tensor) -> str:
     tf32 = (query.dtype == torch.float32 and query.device.type == "cuda"
             and torch.backends.cuda.matmul.allow_tf32)
     return "tf32" if tf32 else "ieee"
+
+
+def _tma_strides_ok(shape, strides, itemsize) -> bool:
+    # A dim of size 1 is never stepped: its stride does not matter (the descriptor gets a
+    # valid one, see the forward template's _descriptor).
+    return (len(shape) == 4 and min(shape) >= 1 and strides[3] == 1
+            and all(n == 1 or (s * itemsize) % 16 == 0 for n, s in zip(shape[:3], strides[:3])))
+
+
+@functools.lru_cache(maxsize=None)
+def _has_tma(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return True      # the interpreter emulates descriptors (tests run the TMA kernel on CPU)
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def tma_supported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether the forward kernel can address query, key, value and its output with TMA.
+
+    Tensors are ``[B, H, L, D]``. TMA needs a device that has it (sm_90+), a
+    16-byte-aligned base, a contiguous last dim and the other strides in
+    multiples of 16 bytes; the output flexgen allocates (contiguous, value's
+    head dim) must pass too. Where one fails the pointer kernel runs instead.
+    """
+    if not _has_tma(query.device):
+        return False
+    for t in (query, key, value):
+        if t.data_ptr() % 16 or not _tma_strides_ok(t.shape, t.stride(), t.element_size()):
+            return False
+    B, H, L, _ = query.shape
+    Dv = value.shape[3]
+    return _tma_strides_ok((B, H, L, Dv), (H * L * Dv, L * Dv, Dv, 1), query.element_size())
 
 
 _SPECS: dict = {}
