@@ -26,6 +26,8 @@ from .trace import trace_cached
 OPTION_KEYS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
 # Switches (bools), not tiles: USE_TMA loads Q, K, V and stores the output through Hopper
 # TMA descriptors (forward kernel only; inputs TMA cannot address use the pointer kernel).
+# It is on by default for fp16 / bf16 on GPUs that have TMA (sm_90+), where the H100
+# measured it 0-22% faster than pointer loads (benchmarks/NOTES.md); USE_TMA=False opts out.
 FLAG_OPTIONS = {"USE_TMA"}
 # torch's kernel_options that only tune torch's own kernels: accepted, no effect here.
 TORCH_ONLY_OPTIONS = {"PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS",
@@ -101,6 +103,14 @@ def _options(kernel: str, kernel_options, head_dim, dtype, device, sparse_q, spa
     return opts
 
 
+def _use_tma(kernel_options, query) -> bool:
+    """Whether to ask for the TMA forward kernel: the caller's USE_TMA, else on for 16-bit GPU inputs."""
+    asked = (kernel_options or {}).get("USE_TMA")
+    if asked is not None:
+        return bool(asked)
+    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+
+
 def _tunable_tiles(call) -> tuple | None:
     """The sparse block sizes the autotuner's tiles must divide, or None: the caller chose tiles."""
     if call.kernel_options and OPTION_KEYS & set(call.kernel_options):
@@ -171,8 +181,9 @@ def _prepare(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel
     if score_traced is None:
         score_traced = _trace_score(score_mod)
     memo = _call_key(query, key, value, score_traced, block_mask, scale, enable_gqa, kernel_options)
-    if memo is not None and isinstance(kernel_options, dict) and kernel_options.get("USE_TMA"):
-        # USE_TMA's choice also reads whether each base is 16-byte aligned (spec.tma_supported).
+    if memo is not None and (query.is_cuda or (isinstance(kernel_options, dict)
+                                               and kernel_options.get("USE_TMA"))):
+        # The TMA choice also reads whether each base is 16-byte aligned (spec.tma_supported).
         memo = (memo, tuple(t.data_ptr() % 16 == 0 for t in (query, key, value)))
     hit = _CALLS.get(memo) if memo is not None else None
     if hit is not None:
@@ -217,7 +228,7 @@ def _plan_call(query, key, value, score_traced, block_mask, scale, enable_gqa, k
         block_m=opts["BLOCK_M"], block_n=opts["BLOCK_N"],
         num_warps=opts["num_warps"], num_stages=opts["num_stages"],
         dot_precision=dot_precision(query),
-        use_tma=bool((kernel_options or {}).get("USE_TMA")) and tma_supported(query, key, value),
+        use_tma=_use_tma(kernel_options, query) and tma_supported(query, key, value),
     )
     score_buffers = () if score_traced is None else score_traced.buffers
     return _Call(spec, sparse, score_traced, block_mask, score_buffers, mask_buffers, scale,

@@ -10,6 +10,7 @@ import contextlib
 import threading
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import cache, tuning
 from .spec import KernelSpec
@@ -86,7 +87,9 @@ def run(spec: KernelSpec, device: torch.device, *inputs, tune_blocks: tuple | No
                              lambda s: _launch_once(s, device, inputs))
         replay = 0          # a size bucket's winner can change while the process tunes
     launched = _launch(spec, device, inputs)
-    if replay and launched is not None and RECORDED is None:
+    # Only plain tensors can be swapped in (a TMA descriptor would have to be rebuilt).
+    if (replay and launched is not None and RECORDED is None
+            and all(type(a) is torch.Tensor for a in launched[2][:replay])):
         return Replay(*launched, replay)
     return None
 
@@ -191,6 +194,10 @@ def _arg_classes(args) -> tuple | None:
             classes.append(2)
         elif t is torch.Tensor or isinstance(a, torch.Tensor):
             classes.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif t is TensorDescriptor:
+            # Triton specializes a host TMA descriptor on its dtype and block shape only
+            # (the launcher encodes base, shape and strides at each launch).
+            classes.append((a.base.dtype, tuple(a.block_shape)))
         else:
             return None     # bool, None, descriptors, ...: Triton's own path
     return tuple(classes)

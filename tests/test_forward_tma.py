@@ -328,3 +328,15 @@ def test_every_launched_kernel_compiles_for_sm90():
     """Each distinct kernel launched above, TMA and pointer fall-backs, compiles for sm_90."""
     assert_module_launches_compile(__name__, {"forward"})
     assert any(spec.use_tma for spec, _, _ in launches_of(__name__))
+
+
+def test_tma_is_the_default_for_16_bit_gpu_inputs_only():
+    from types import SimpleNamespace
+
+    from flexgen.api import _use_tma
+    gpu_bf16 = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
+    assert _use_tma(None, gpu_bf16) and _use_tma({"BLOCK_M": 64}, gpu_bf16)
+    assert not _use_tma({"USE_TMA": False}, gpu_bf16)
+    assert not _use_tma(None, SimpleNamespace(is_cuda=True, dtype=torch.float32))
+    assert _use_tma({"USE_TMA": True}, SimpleNamespace(is_cuda=True, dtype=torch.float32))
+    assert not _use_tma(None, torch.zeros(1, dtype=torch.bfloat16))     # CPU: the pointer kernel

@@ -128,9 +128,17 @@ def test_arg_classes_match_tritons_specialization():
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     base = torch.zeros(64, dtype=torch.bfloat16)
+
+    def desc(t, block):
+        t = t.view(1, 1, -1, 16)
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block, 16])
+
     values = [0, 1, 2, 15, 16, 17, -16, 2**31 - 1, 2**31, 2**32, -2**31 - 1, 2**63, 0.5,
-              base, base[1:], base[8:], base.float()]
+              base, base[1:], base[8:], base.float(),
+              desc(base, 4), desc(base, 2), desc(base[16:], 4), desc(base.half(), 4)]
     for a in values:
         for b in values:
             if type(a) is not type(b):
@@ -159,6 +167,20 @@ def test_replay_launches_with_new_leading_tensors_only_when_they_specialize_alik
     monkeypatch.setattr(launch, "RECORDED", [])
     assert not replay(y)                                        # recording for the AOT checks
     assert len(kernel.compiled.calls) == calls
+
+
+def test_no_replay_of_tma_descriptors(fake_gpu, monkeypatch):
+    """A replay swaps tensors in; a launch whose leading arguments are descriptors is not replayed."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    module, kernel = fake_gpu
+    monkeypatch.setattr(launch, "RECORDED", None)
+    monkeypatch.setattr(launch, "_launch", lambda spec, device, inputs: (kernel.compiled, (1,), list(inputs), (), 0))
+    t = torch.zeros(1, 1, 16, 16)
+    d = TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 16, 16])
+    cuda = torch.device("cuda", 0)
+    assert launch.run(SPEC, cuda, d, 3, replay=1) is None
+    assert isinstance(launch.run(SPEC, cuda, t, 3, replay=1), launch.Replay)
 
 
 def test_the_interpreter_path_never_replays():
