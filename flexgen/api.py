@@ -27,8 +27,12 @@ OPTION_KEYS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
 # Switches (bools), not tiles: USE_TMA loads Q, K, V and stores the output through Hopper
 # TMA descriptors (forward kernel only; inputs TMA cannot address use the pointer kernel).
 # It is on by default for fp16 / bf16 on GPUs that have TMA (sm_90+), where the H100
-# measured it 0-22% faster than pointer loads (benchmarks/NOTES.md); USE_TMA=False opts out.
+# measured it 0-22% faster than pointer loads (benchmarks/NOTES.md), for calls of at
+# least TMA_MIN_SCORES score elements (B * Hq * Lq * Lkv, ~150 us of kernel at D=128):
+# its four host descriptors cost ~40 us a call there, more than it gains on a short
+# kernel. USE_TMA=True / False decides either way.
 FLAG_OPTIONS = {"USE_TMA"}
+TMA_MIN_SCORES = 2 ** 27
 # torch's kernel_options that only tune torch's own kernels: accepted, no effect here.
 TORCH_ONLY_OPTIONS = {"PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS",
                       "OUTPUT_LOGSUMEXP", "FORCE_USE_FLEX_ATTENTION", "WRITE_DQ", "BACKEND",
@@ -103,12 +107,15 @@ def _options(kernel: str, kernel_options, head_dim, dtype, device, sparse_q, spa
     return opts
 
 
-def _use_tma(kernel_options, query) -> bool:
-    """Whether to ask for the TMA forward kernel: the caller's USE_TMA, else on for 16-bit GPU inputs."""
+def _use_tma(kernel_options, query, key) -> bool:
+    """Whether to ask for the TMA forward kernel: the caller's USE_TMA, else on for
+    16-bit GPU inputs of at least TMA_MIN_SCORES score elements."""
     asked = (kernel_options or {}).get("USE_TMA")
     if asked is not None:
         return bool(asked)
-    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+    B, Hq, Lq, _ = query.shape
+    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+            and B * Hq * Lq * key.shape[2] >= TMA_MIN_SCORES)
 
 
 def _tunable_tiles(call) -> tuple | None:
@@ -228,7 +235,7 @@ def _plan_call(query, key, value, score_traced, block_mask, scale, enable_gqa, k
         block_m=opts["BLOCK_M"], block_n=opts["BLOCK_N"],
         num_warps=opts["num_warps"], num_stages=opts["num_stages"],
         dot_precision=dot_precision(query),
-        use_tma=_use_tma(kernel_options, query) and tma_supported(query, key, value),
+        use_tma=_use_tma(kernel_options, query, key) and tma_supported(query, key, value),
     )
     score_buffers = () if score_traced is None else score_traced.buffers
     return _Call(spec, sparse, score_traced, block_mask, score_buffers, mask_buffers, scale,

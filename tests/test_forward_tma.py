@@ -330,13 +330,20 @@ def test_every_launched_kernel_compiles_for_sm90():
     assert any(spec.use_tma for spec, _, _ in launches_of(__name__))
 
 
-def test_tma_is_the_default_for_16_bit_gpu_inputs_only():
+def test_tma_is_the_default_for_long_16_bit_gpu_calls_only():
     from types import SimpleNamespace
 
-    from flexgen.api import _use_tma
-    gpu_bf16 = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
-    assert _use_tma(None, gpu_bf16) and _use_tma({"BLOCK_M": 64}, gpu_bf16)
-    assert not _use_tma({"USE_TMA": False}, gpu_bf16)
-    assert not _use_tma(None, SimpleNamespace(is_cuda=True, dtype=torch.float32))
-    assert _use_tma({"USE_TMA": True}, SimpleNamespace(is_cuda=True, dtype=torch.float32))
-    assert not _use_tma(None, torch.zeros(1, dtype=torch.bfloat16))     # CPU: the pointer kernel
+    from flexgen.api import TMA_MIN_SCORES, _use_tma
+
+    def tensor(dtype=torch.bfloat16, cuda=True, L=4096):
+        return SimpleNamespace(is_cuda=cuda, dtype=dtype, shape=(2, 8, L, 128))
+
+    long_bf16 = tensor()
+    assert 2 * 8 * 4096 * 4096 >= TMA_MIN_SCORES
+    assert _use_tma(None, long_bf16, long_bf16) and _use_tma({"BLOCK_M": 64}, long_bf16, long_bf16)
+    assert not _use_tma({"USE_TMA": False}, long_bf16, long_bf16)
+    assert not _use_tma(None, tensor(L=128), tensor(L=128))        # short: host cost > gain
+    assert _use_tma({"USE_TMA": True}, tensor(L=128), tensor(L=128))
+    assert not _use_tma(None, tensor(torch.float32), tensor(torch.float32))
+    assert _use_tma({"USE_TMA": True}, tensor(torch.float32), tensor(torch.float32))
+    assert not _use_tma(None, tensor(cuda=False), tensor(cuda=False))   # CPU: the pointer kernel
