@@ -20,8 +20,10 @@ chunks), the same figure for every implementation of a case. ``vs torch`` and
 faster); ``%ceil`` is flexgen's TFLOP/s over the bf16 matmul ceiling measured
 in the same run (8192^3).
 
-Also: ``create_block_mask`` at 32k for causal and document masks (flexgen,
-torch eager, torch ``_compile=True``: median time and peak extra GPU memory),
+Also: ``create_block_mask`` at 32k and 128k (``--mask-lens``) for causal and
+document masks (flexgen, torch eager, torch ``_compile=True``: median time and
+peak extra GPU memory; torch eager is skipped where its dense temporaries,
+~10 bytes per position, would not fit in free GPU memory: 128k on an H100),
 and the warm per-call host overhead on tiny inputs (B=1, H=1, L=128, D=64).
 
 ``--flexgen-options JSON`` passes a dict as flexgen's ``kernel_options`` in
@@ -349,6 +351,11 @@ def time_host(fn, sync, calls, repeats=5) -> float:
     return statistics.median(per)
 
 
+# Peak extra memory of torch's eager create_block_mask per (q, kv) position: +10 GiB at
+# 32k on the H100 (2026-11-23), i.e. ~10 bytes; at 128k that is ~160 GiB, so it is skipped.
+EAGER_MASK_BYTES_PER_POSITION = 10
+
+
 def bench_mask_build(L, timer, cuda, deadline) -> list:
     """create_block_mask at length L: flexgen vs torch eager vs torch _compile=True."""
     from torch.nn.attention.flex_attention import create_block_mask as torch_cbm
@@ -366,6 +373,13 @@ def bench_mask_build(L, timer, cuda, deadline) -> list:
             if time.monotonic() > deadline:
                 r["skipped"] = "budget"
                 rows.append(r)
+                continue
+            if iname == "torch_eager" and cuda and EAGER_MASK_BYTES_PER_POSITION * L * L > torch.cuda.mem_get_info()[0]:
+                # torch's eager builder materializes the dense mask and its temporaries.
+                r["skipped"] = (f"would need ~{EAGER_MASK_BYTES_PER_POSITION * L * L / 2**30:.0f} GiB "
+                                "(dense Q_LEN x KV_LEN temporaries)")
+                rows.append(r)
+                print(f"  mask build {mname:<9} {iname:<15} {r['skipped']}", flush=True)
                 continue
             try:
                 if iname == "torch_compiled":
@@ -501,11 +515,11 @@ def table(payload) -> str:
     for k, e in sd_err:
         lines.append(f"  {k[:-6]} unavailable: {e}")
     mb = payload.get("mask_build", [])
-    if mb:
-        lines.append(f"create_block_mask at L={mb[0]['L']}: "
+    for L in dict.fromkeys(r["L"] for r in mb):
+        lines.append(f"create_block_mask at L={L}: "
                      + "; ".join(f"{r['mask']}/{r['impl']} " + (
                          f"{r['ms']:.2f} ms" + (f" +{r['peak_extra_mib']:.0f} MiB" if "peak_extra_mib" in r else "")
-                         if "ms" in r else r.get("skipped", "err")) for r in mb))
+                         if "ms" in r else r.get("skipped", "err")) for r in mb if r["L"] == L))
     oh = payload.get("overhead", [])
     if oh:
         lines.append("host overhead (us/call, warm, 1x1x128x64): "
@@ -684,7 +698,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=float(os.environ.get("BENCH_FORWARD_BUDGET_S", 290)),
                     help="seconds for the whole script; cases that would not fit are skipped (default 290)")
     ap.add_argument("--case-timeout", type=float, default=120, help="seconds one case may take")
-    ap.add_argument("--mask-len", type=int, default=32768, help="length for the create_block_mask timing")
+    ap.add_argument("--mask-lens", default="32k,128k",
+                    help="comma list of lengths for the create_block_mask timing (default 32k,128k)")
     ap.add_argument("--skip-torch", action="store_true")
     ap.add_argument("--skip-sdpa", action="store_true")
     ap.add_argument("--no-mask-bench", action="store_true")
@@ -701,7 +716,7 @@ def main(argv=None) -> int:
         return 2
     if args.smoke:
         args.tokens, args.heads = 512, 2
-        args.mask_len = 1024
+        args.mask_lens = "512,1024"
         if not args.lengths:
             args.lengths = "128,256"
         if not args.dims:
@@ -737,11 +752,16 @@ def main(argv=None) -> int:
 
         end = t_start + args.budget
         if not args.no_mask_bench:
-            print(f"create_block_mask at {args.mask_len}:", flush=True)
-            bounded(payload, "mask_build", max(5.0, min(90.0, end - time.monotonic() - 15)),
-                    lambda: bench_mask_build(args.mask_len, timer, cuda, end - 20))
-            write_json(json_path, payload)
-            _check_stop()
+            rows = payload["mask_build"] = []
+            for mask_len in parse_lengths(args.mask_lens):
+                print(f"create_block_mask at {mask_len}:", flush=True)
+                bounded(payload, "_mask_build", max(5.0, min(90.0, end - time.monotonic() - 15)),
+                        lambda: bench_mask_build(mask_len, timer, cuda, end - 20))
+                rows += payload.pop("_mask_build", None) or []
+                if "_mask_build_error" in payload:
+                    payload.setdefault("mask_build_error", {})[mask_len] = payload.pop("_mask_build_error")
+                write_json(json_path, payload)
+                _check_stop()
         if not args.no_overhead:
             print("host overhead:", flush=True)
             bounded(payload, "overhead", max(5.0, min(90.0, end - time.monotonic())),
