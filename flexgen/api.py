@@ -336,7 +336,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
             _check_block_mask(block_mask, query, key)
         return decode_attention(query, key, value, score_mod=score_mod, block_mask=block_mask,
                                 scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
-                                q_offsets=0, kernel_options=kernel_options)
+                                q_offsets=0, kernel_options=kernel_options, _score_traced=score_traced)
     call = _prepare(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
                     score_traced)
     if needs_grad:

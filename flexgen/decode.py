@@ -45,10 +45,7 @@ from .errors import expected
 from .lowering import lower
 from .spec import dot_precision, kernel_spec, mod_fields
 
-try:  # the memoized tracer of the hot path (plain trace where it is missing)
-    from .trace import trace_cached as _trace
-except ImportError:  # pragma: no cover
-    from .trace import trace as _trace
+from .trace import trace_cached as _trace
 
 MAX_DECODE_QUERIES = 16          # use_decode_path's limit on queries per sequence
 CPU_SPLITS = 2                   # splits under the interpreter: small, but the merge always runs
@@ -414,8 +411,9 @@ def _static(query, key, value, score_traced, mask_traced, block_mask, mask_mod, 
 
 def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kv_lengths, page_table,
           mask_mod, q_offsets, q_lengths, num_splits, kernel_options, max_kv_len,
-          host_lengths=None) -> _Plan:
-    score_traced = None if score_mod is None else _trace(score_mod, "score_mod")
+          host_lengths=None, score_traced=None) -> _Plan:
+    if score_traced is None and score_mod is not None:
+        score_traced = _trace(score_mod, "score_mod")
     if block_mask is not None:
         mask_traced = block_mask.traced() if isinstance(block_mask, BlockMask) else None
     else:
@@ -527,7 +525,7 @@ def _query_end(q_offsets, q_lengths, B, Lq, kv_max, host_ql):
 def decode_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
                      enable_gqa=False, return_lse=False, kv_lengths=None, page_table=None, *,
                      mask_mod=None, q_offsets=None, q_lengths=None, num_splits=None,
-                     kernel_options=None, max_kv_len=None, _host_lengths=None):
+                     kernel_options=None, max_kv_len=None, _host_lengths=None, _score_traced=None):
     """Attention of a few query tokens per sequence against a (possibly paged) KV cache.
 
     query ``[B, Hq, Lq, D]`` (Lq from 1 to 16 is the decode case; any Lq works).
@@ -554,9 +552,14 @@ def decode_attention(query, key, value, score_mod=None, block_mask=None, scale=N
     Returns ``out [B, Hq, Lq, Dv]`` in the query's dtype, with ``return_lse``
     also the natural-log LSE ``[B, Hq, Lq]`` float32 (-inf and zeros for a
     query that sees no key). Forward only: no autograd.
+
+    Private, for flexgen's own callers: ``_host_lengths`` (the lengths as host
+    ints, from PagedKVCache) and ``_score_traced`` (score_mod's trace, from
+    flex_attention, which traced it already to choose this path).
     """
     plan = _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kv_lengths, page_table,
-                 mask_mod, q_offsets, q_lengths, num_splits, kernel_options, max_kv_len, _host_lengths)
+                 mask_mod, q_offsets, q_lengths, num_splits, kernel_options, max_kv_len, _host_lengths,
+                 _score_traced)
     B, Hq, Lq, _ = query.shape
     Dv = value.shape[-1]
     device = query.device

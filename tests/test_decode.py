@@ -316,3 +316,20 @@ def test_kernel_source_names_the_mods():
 def test_every_launched_kernel_compiles_for_sm90():
     """Ahead-of-time compile (triton.compile for sm_90) of each distinct kernel launched above."""
     assert_module_launches_compile(__name__, {"decode", "decode_merge"})
+
+
+def test_flex_attention_hands_its_trace_to_the_decode_path(monkeypatch):
+    """flex_attention traced the score_mod to choose the decode path; decode does not trace again."""
+    import flexgen
+    from flexgen import decode
+
+    q = torch.randn(1, 4, 1, 32)
+    k, v = torch.randn(1, 2, 70, 32), torch.randn(1, 2, 70, 32)
+    score = tanh_softcap(4.0)
+
+    def traced_again(*args):
+        raise AssertionError("decode traced the score_mod a second time")
+
+    monkeypatch.setattr(decode, "_trace", traced_again)
+    got = flexgen.flex_attention(q, k, v, score_mod=score, enable_gqa=True, return_lse=True)
+    assert_matches(got, reference(q, k, v, score), 1e-5)
