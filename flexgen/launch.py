@@ -1,8 +1,12 @@
 """Run a generated kernel, on the GPU or through the Triton interpreter.
 
-Every launch goes through ``run`` so that the choice of interpreter, and the
+Every launch goes through ``run`` so that the choice of interpreter, the
 optional recording of launches for ahead-of-time compilation checks
-(``flexgen.aot``), live in one place.
+(``flexgen.aot``), autotuned tiles, the step-down of tiles that do not fit
+and the warm path's shortcuts live in one place. Those shortcuts: after
+Triton's first launch of a specialization, later launches call the compiled
+kernel's C launcher directly (``_launch_compiled``), and a caller that
+repeats a planned call can ``Replay`` it with new leading tensors.
 """
 from __future__ import annotations
 
