@@ -62,6 +62,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import report  # noqa: E402
 from bench_forward import (DOC_AVG, SDPA_VARIANTS, SOFTCAP, WINDOW, Timeout, Timer,  # noqa: E402
                            _check_stop, _raise, count_unmasked, environment, f, make_mods,
                            make_sets, measure_ceiling, case_grid, output_path, rotating, write_json,
@@ -391,12 +392,7 @@ def main(argv=None) -> int:
         payload["stopped_early"] = str(e)
     payload["seconds"] = time.monotonic() - t_start
     write_json(json_path, payload)
-    summary = table(payload)
-    print("\n" + summary + f"\nwrote {json_path}", flush=True)
-    summary_file = os.environ.get("BENCH_BACKWARD_SUMMARY")
-    if summary_file:
-        with open(summary_file, "w") as fh:
-            fh.write(summary + "\n")
+    report(table(payload), "BENCH_BACKWARD_SUMMARY", f"\nwrote {json_path}")
     return 0
 
 

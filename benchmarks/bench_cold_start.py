@@ -504,6 +504,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import torch
     from bench_forward import environment, write_json
+    from common import report
 
     cuda = not args.smoke
     if cuda and not torch.cuda.is_available():
@@ -618,12 +619,7 @@ def main(argv=None) -> int:
     payload["seconds"] = time.monotonic() - t_start
     payload["summary"] = summarize(payload["runs"])
     write_json(json_path, payload)
-    summary = table(payload)
-    print("\n" + summary + f"\nwrote {json_path}", flush=True)
-    summary_file = os.environ.get("BENCH_COLD_START_SUMMARY")
-    if summary_file:
-        with open(summary_file, "w") as fh:
-            fh.write(summary + "\n")
+    report(table(payload), "BENCH_COLD_START_SUMMARY", f"\nwrote {json_path}")
     bad = [r for r in payload["runs"] if r["status"] in ("FAIL", "ERROR", "TIMEOUT")]
     if args.smoke:
         # torch's eager flex_attention on CPU is only a stand-in; its failure is noted, not fatal.

@@ -65,6 +65,7 @@ from flexgen import mods  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Timer, doc_ids, write_json  # noqa: E402,F401  (bench_backward imports them from here)
 from common import environment as common_environment  # noqa: E402
+from common import report  # noqa: E402
 
 ALL_VARIANTS = ("full", "causal", "sliding_window", "alibi", "softcap", "document", "prefix_lm",
                 "document_causal", "softcap_causal")
@@ -777,12 +778,7 @@ def main(argv=None) -> int:
         png = plot(payload, json_path[:-len(".json")] + ".png")
     except Exception as e:
         print(f"plot failed: {type(e).__name__}: {e}")
-    summary = table(payload)
-    print("\n" + summary + f"\nwrote {json_path}" + (f" and {png}" if png else ""), flush=True)
-    summary_file = os.environ.get("BENCH_FORWARD_SUMMARY")
-    if summary_file:
-        with open(summary_file, "w") as fh:
-            fh.write(summary + "\n")
+    report(table(payload), "BENCH_FORWARD_SUMMARY", f"\nwrote {json_path}" + (f" and {png}" if png else ""))
     return 0
 
 

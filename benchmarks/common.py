@@ -76,6 +76,16 @@ def environment(cuda: bool, **extra) -> dict:
     return info
 
 
+def report(summary: str, env_var: str, tail: str = "") -> None:
+    """Print a script's summary table last (then ``tail``), and write it to the file named
+    by ``$env_var`` when set (run_all.sh collects the summaries there)."""
+    print("\n" + summary + tail, flush=True)
+    summary_file = os.environ.get(env_var)
+    if summary_file:
+        with open(summary_file, "w") as f:
+            f.write(summary + "\n")
+
+
 def write_json(path, payload):
     """Write ``payload`` to ``path`` atomically (nothing when ``path`` is empty)."""
     if not path:

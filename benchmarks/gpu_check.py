@@ -42,7 +42,7 @@ from flexgen import mods  # noqa: E402
 from flexgen.reference import flex_attention_reference  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import doc_ids, environment, write_json  # noqa: E402
+from common import doc_ids, environment, report, write_json  # noqa: E402
 
 # bf16 keeps 8 bits of mantissa, fp16 11: tolerances on the output in the
 # storage dtype, against a float32 reference on the same (rounded) inputs.
@@ -384,12 +384,7 @@ def main(argv=None) -> int:
         results += [dict(name=c.name, status="SKIP", note="stopped") for c in cases if c.name not in done]
     write_json(path, dict(env=env, tolerances=dict(rel=str(REL_TOL), abs=str(ABS_TOL), lse=LSE_ATOL),
                           cases=results, seconds=round(time.monotonic() - t_start, 1)))
-    summary = table(results)
-    print("\n" + summary, flush=True)
-    summary_file = os.environ.get("GPU_CHECK_SUMMARY")
-    if summary_file:
-        with open(summary_file, "w") as f:
-            f.write(summary + "\n")
+    report(table(results), "GPU_CHECK_SUMMARY")
     return 1 if any(r["status"] in ("FAIL", "ERROR") for r in results) else 0
 
 
