@@ -48,6 +48,16 @@ def test_no_mod_without_lse_and_explicit_scale():
     run_and_check(q, k, v, scale=0.37, return_lse=False)
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.37])
+def test_zero_and_negative_scale(scale):
+    """The kernel scales row maxima instead of scores only for a positive scale
+    (max(c·x) = c·max(x) needs c > 0; with c = 0 a masked score would give 0·-inf)."""
+    q, k, v = make_qkv(B=1, H=2, L=67)
+    first_rows_dead = M.and_masks(M.causal_mask, lambda b, h, q_idx, kv_idx: q_idx >= 3)
+    run_and_check(q, k, v, scale=scale, block_mask=block_mask(first_rows_dead, None, None, 67))
+    run_and_check(q, k, v, scale=scale)
+
+
 def test_noncontiguous_inputs():
     """[B, L, H, D] storage seen as [B, H, L, D]: only the last dim is contiguous."""
     B, H, L, D = 2, 2, 67, 32
