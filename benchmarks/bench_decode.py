@@ -16,6 +16,11 @@ KV heads (GQA 4), D = 128, bf16, for B in {1, 8, 64} and contexts of 1k, 8k,
   compile after ``torch._dynamo.reset()`` for each case) on the contiguous K/V;
 - ``sdpa``: ``F.scaled_dot_product_attention(..., enable_gqa=True)``.
 
+Each is timed twice: called from Python (what an eager loop pays, host time
+included where it exceeds the kernel), and replayed from a CUDA graph captured
+after a warm-up (what a serving loop pays: kernel time). ``--sweep`` also times
+the decode kernel's tiles and split counts per case under graphs.
+
 First a correctness check (a paged GQA case with a score_mod and a block
 mask against the float32 reference). Then two passes, so that a short budget
 still covers every case: flexgen and SDPA on all cases, then torch's compiled
@@ -79,6 +84,28 @@ def host_us(fn, timer, calls=50) -> float:
         fn()
     timer.sync()
     return (time.perf_counter() - t0) / calls * 1e6
+
+
+def graph_ms(fn, timer, cuda) -> float | None:
+    """Median ms of ``fn`` replayed from a CUDA graph, as serving loops run their decode steps.
+
+    Warmed up on a side stream first (compiles, memo entries, cached constants: nothing
+    that would synchronize may happen during capture). None on CPU.
+    """
+    if not cuda:
+        return None
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = timer(graph.replay)
+    del graph
+    return ms
 
 
 def copy_gbps(timer, cuda) -> float | None:
@@ -162,6 +189,10 @@ def run_case(B, L, args, timer, cuda, seed, bw) -> dict:
     row.update(contig_ms=ms, contig_gbps=gbps(ms), host_us=host_us(fg, timer, 50 if cuda else 1))
     if bw:
         row["contig_pct_copy"] = 100 * row["contig_gbps"] / bw
+    _graph_row(row, "contig", fg, timer, cuda, gbps, bw)
+    if args.sweep:
+        row["sweep_contig"] = sweep(lambda o: decode_attention(q, k, v, enable_gqa=True, kernel_options=o),
+                                    timer, cuda, B, L)
 
     if not args.skip_sdpa:
         try:
@@ -171,6 +202,9 @@ def run_case(B, L, args, timer, cuda, seed, bw) -> dict:
             row["sdpa_err"] = (out.float() - out_ref.float()).abs().max().item()
             row["sdpa_ms"] = timer(sd)
             row["vs_sdpa"] = row["sdpa_ms"] / ms
+            if cuda and row.get("contig_graph_ms"):
+                row["sdpa_graph_ms"] = graph_ms(sd, timer, cuda)
+                row["vs_sdpa_graph"] = row["sdpa_graph_ms"] / row["contig_graph_ms"]
         except Exception as exc:  # noqa: BLE001 - a peer failing must not stop the run
             row["sdpa_error"] = _err(exc)
             print(f"    sdpa failed: {row['sdpa_error']}", flush=True)
@@ -205,12 +239,63 @@ def run_case(B, L, args, timer, cuda, seed, bw) -> dict:
         row.update(paged_ms=ms_p, paged_gbps=gbps(ms_p))
         if bw:
             row["paged_pct_copy"] = 100 * row["paged_gbps"] / bw
+        _graph_row(row, "paged", fp, timer, cuda, gbps, bw)
+        if args.sweep:
+            row["sweep_paged"] = sweep(
+                lambda o: decode_attention(q, k_cache, v_cache, enable_gqa=True, kv_lengths=lengths,
+                                           page_table=table, max_kv_len=L, kernel_options=o),
+                timer, cuda, B, L)
         del k_cache, v_cache
     except Exception as exc:  # noqa: BLE001
         row["paged_error"] = _err(exc)
         print(f"    paged failed: {row['paged_error']}", flush=True)
     _cleanup(cuda)
     return row
+
+
+def _graph_row(row, name, fn, timer, cuda, gbps, bw):
+    """Adds ``{name}_graph_ms`` (and GB/s, %copy) to ``row``: ``fn`` replayed from a CUDA graph."""
+    if not cuda:
+        return
+    try:
+        ms = graph_ms(fn, timer, cuda)
+        row[f"{name}_graph_ms"] = ms
+        row[f"{name}_graph_gbps"] = gbps(ms)
+        if bw:
+            row[f"{name}_graph_pct_copy"] = 100 * gbps(ms) / bw
+    except Exception as exc:  # noqa: BLE001 - a capture failing is a finding, not the end of the run
+        row[f"{name}_graph_error"] = _err(exc)
+        print(f"    {name} graph failed: {row[f'{name}_graph_error']}", flush=True)
+
+
+# The decode kernel's knobs (kernel_options), searched by --sweep under CUDA graphs (so
+# that host time does not hide kernel differences). Splits only matter where the batch
+# leaves SMs idle.
+SWEEP_TILES = [dict(BLOCK_N=n, num_warps=w, num_stages=s)
+               for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
+
+
+def sweep(call, timer, cuda, B, L) -> list:
+    """[(options, ms)] of ``call(options)`` over SWEEP_TILES (and split counts for small
+    batches), fastest first; the default configuration is the entry with options {}."""
+    if not cuda:
+        return []
+    options = [{}] + SWEEP_TILES
+    if B <= 8:
+        options += [dict(NUM_SPLITS=s) for s in (8, 16, 32, 64, 128) if s * 64 <= L]
+    results = []
+    for o in options:
+        try:
+            results.append((o, graph_ms(lambda o=o: call(o), timer, cuda)))
+        except Exception as exc:  # noqa: BLE001 - a config that does not fit is skipped
+            results.append((o, None))
+            print(f"    sweep {o}: {_err(exc)}", flush=True)
+    results.sort(key=lambda r: float("inf") if r[1] is None else r[1])
+    best, default = results[0], next(r for r in results if r[0] == {})
+    print(f"    sweep B={B} L={L}: default {_f(default[1] and default[1] * 1e3, '.1f')} us, best {best[0]} "
+          f"{_f(best[1] and best[1] * 1e3, '.1f')} us; top 3 "
+          + ", ".join(f"{o} {ms * 1e3:.1f}" for o, ms in results[:3] if ms), flush=True)
+    return [[o, ms] for o, ms in results]
 
 
 def run_torch(row, timer, cuda, seed):
@@ -235,6 +320,14 @@ def run_torch(row, timer, cuda, seed):
         row["torch_ms"] = timer(tf)
         if row.get("contig_ms"):
             row["vs_torch"] = row["torch_ms"] / row["contig_ms"]
+        if cuda:
+            try:
+                row["torch_graph_ms"] = graph_ms(tf, timer, cuda)
+                if row.get("contig_graph_ms"):
+                    row["vs_torch_graph"] = row["torch_graph_ms"] / row["contig_graph_ms"]
+            except Exception as exc:  # noqa: BLE001
+                row["torch_graph_error"] = _err(exc)
+                print(f"    torch flex graph failed: {row['torch_graph_error']}", flush=True)
     except Exception as exc:  # noqa: BLE001 - a peer failing must not stop the run
         row["torch_error"] = _err(exc)
         print(f"    torch flex failed: {row['torch_error']}", flush=True)
@@ -300,6 +393,31 @@ def table(payload) -> str:
             f"{_f(r.get('contig_pct_copy'), '5.0f')} | {_f(us('paged_ms'), '8.1f')} {_f(r.get('paged_gbps'), '6.0f')} "
             f"{_f(r.get('paged_pct_copy'), '5.0f')} | {_f(us('torch_ms'), '8.1f')} {_f(r.get('vs_torch'), '8.2f')} | "
             f"{_f(us('sdpa_ms'), '8.1f')} {_f(r.get('vs_sdpa'), '7.2f')} | {_f(r.get('host_us'), '7.0f')}  {note}")
+    if any("contig_graph_ms" in r for r in payload["cases"]):
+        head = (f"{'B':>3} {'ctx':>6} | {'contig us':>9} {'%copy':>5} | {'paged us':>8} {'%copy':>5} "
+                f"{'vs contig':>9} | {'torch us':>8} {'vs torch':>8} | {'sdpa us':>8} {'vs sdpa':>7}")
+        lines += ["", "the same, each call replayed from a CUDA graph (as a serving loop runs it): kernel time only",
+                  head, "-" * len(head)]
+        for r in payload["cases"]:
+            if "contig_graph_ms" not in r:
+                continue
+            us = lambda key: None if r.get(key) is None else r[key] * 1e3  # noqa: E731
+            paged_vs = (r["contig_graph_ms"] / r["paged_graph_ms"]) if r.get("paged_graph_ms") else None
+            lines.append(
+                f"{r['B']:>3} {_ctx(r['L']):>6} | {_f(us('contig_graph_ms'), '9.1f')} "
+                f"{_f(r.get('contig_graph_pct_copy'), '5.0f')} | {_f(us('paged_graph_ms'), '8.1f')} "
+                f"{_f(r.get('paged_graph_pct_copy'), '5.0f')} {_f(paged_vs, '9.2f')} | "
+                f"{_f(us('torch_graph_ms'), '8.1f')} {_f(r.get('vs_torch_graph'), '8.2f')} | "
+                f"{_f(us('sdpa_graph_ms'), '8.1f')} {_f(r.get('vs_sdpa_graph'), '7.2f')}")
+    sweeps = [(r, name) for r in payload["cases"] for name in ("contig", "paged") if r.get(f"sweep_{name}")]
+    if sweeps:
+        lines += ["", "--sweep (CUDA graphs): default kernel options against the fastest found"]
+        for r, name in sweeps:
+            results = [x for x in r[f"sweep_{name}"] if x[1] is not None]
+            default = next((ms for o, ms in results if o == {}), None)
+            best_o, best_ms = results[0]
+            lines.append(f"{r['B']:>3} {_ctx(r['L']):>6} {name:>6}: default {_f(default and default * 1e3, '.1f')} us, "
+                         f"best {best_ms * 1e3:.1f} us with {best_o}")
     return "\n".join(lines)
 
 
@@ -323,6 +441,8 @@ def main(argv=None) -> int:
     ap.add_argument("--case-timeout", type=float, default=60)
     ap.add_argument("--skip-torch", action="store_true")
     ap.add_argument("--skip-sdpa", action="store_true")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time the decode kernel's tiles and split counts per case (CUDA graphs)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (interpreter): tests the script")
     ap.add_argument("--out", default=None, help="output folder (default $OUT, else benchmarks/results)")
     args = ap.parse_args(argv)
