@@ -168,19 +168,23 @@ def _sm_count(device: torch.device) -> int:
     return _SMS[index]
 
 
-_SPLITS: dict = {}                 # (device, programs, kv_tiles) -> splits
+_SPLITS: dict = {}                 # (device, programs, kv_tiles, paged) -> splits
 
 
-def choose_splits(device: torch.device, programs: int, kv_tiles: int) -> int:
+def choose_splits(device: torch.device, programs: int, kv_tiles: int, paged: bool = False) -> int:
     """How many programs share one sequence's keys (split-K).
 
     ``programs`` is the number of (batch, kv head, query tile) work items and
     ``kv_tiles`` the longest sequence in BLOCK_N tiles. On a GPU: enough splits
-    for about two programs per SM, no split shorter than MIN_TILES_PER_SPLIT
-    tiles, at most MAX_SPLITS. Under the interpreter: CPU_SPLITS for up to 16
-    work items, else 1. Memoized (the SM count is the device's).
+    for about one program per SM reading contiguous keys, two reading pages
+    (each tile's page-table lookup adds latency that more programs in flight
+    hide), no split shorter than MIN_TILES_PER_SPLIT tiles, at most MAX_SPLITS.
+    (H100, B=1, Hkv=8, 8k keys, CUDA graphs: 16 splits 29.6 us, 33 splits
+    36.2 us contiguous; paged at 32k, 32 splits 75 us, 16 splits 85 us.)
+    Under the interpreter: CPU_SPLITS for up to 16 work items, else 1.
+    Memoized (the SM count is the device's).
     """
-    key = (device, programs, kv_tiles)
+    key = (device, programs, kv_tiles, paged)
     splits = _SPLITS.get(key)
     if splits is None:
         if device.type != "cuda":
@@ -189,7 +193,7 @@ def choose_splits(device: torch.device, programs: int, kv_tiles: int) -> int:
             splits = max(1, min(CPU_SPLITS if programs <= 16 else 1, kv_tiles))
         else:
             cap = max(1, min(MAX_SPLITS, kv_tiles // MIN_TILES_PER_SPLIT))
-            want = -(-2 * _sm_count(device) // max(1, programs))
+            want = -(-(2 if paged else 1) * _sm_count(device) // max(1, programs))
             splits = max(1, min(want, cap))
         if len(_SPLITS) >= 4096:
             _SPLITS.clear()
@@ -211,10 +215,11 @@ def _geometry(device, G, Lq, D, sparse_q):
     if device.type != "cuda":
         # The interpreter's cost is per operation: few, large tiles.
         return q_tile, block_m, 64, 4, 1
+    # Two stages: on the H100 (bench_decode --sweep, q_len=1, GQA 4, D=128) three were
+    # 1-11% slower from B=8 up (B=64, 8k keys: 788 -> 710 us with two).
     block_n = 64 if D <= 128 else 32
     warps = 8 if block_m >= 128 and D <= 128 else 4
-    stages = 3 if D <= 128 else 2
-    return q_tile, block_m, block_n, warps, stages
+    return q_tile, block_m, block_n, warps, 2
 
 
 def _options(kernel_options, opts: dict, sparse_kv) -> dict:
@@ -496,7 +501,8 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kv_length
 
     num_splits = st.num_splits
     if num_splits is None:
-        num_splits = choose_splits(device, st.programs, -(-max(1, max_kv_len) // st.block_n))
+        num_splits = choose_splits(device, st.programs, -(-max(1, max_kv_len) // st.block_n),
+                                   paged=page_table is not None)
 
     plan = _Plan()
     plan.spec = st.spec

@@ -122,6 +122,20 @@ def test_split_counts_agree(num_splits):
     assert_matches(got, reference(q, k, v, tanh_softcap(4.0), kv_lengths=lengths), 1e-5)
 
 
+def test_split_counts_on_a_gpu(monkeypatch):
+    """About one program per SM on contiguous keys, two on pages; never splits under
+    MIN_TILES_PER_SPLIT tiles or over MAX_SPLITS (the SM count is faked: no GPU here)."""
+    from flexgen import decode
+    monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(decode, "_SPLITS", {})
+    gpu = torch.device("cuda", 0)
+    assert decode.choose_splits(gpu, 8, 128) == 17                  # B=1, Hkv=8, 8k keys / 64
+    assert decode.choose_splits(gpu, 8, 128, paged=True) == 33
+    assert decode.choose_splits(gpu, 8, 6) == 6 // decode.MIN_TILES_PER_SPLIT
+    assert decode.choose_splits(gpu, 1, 4096, paged=True) == decode.MAX_SPLITS
+    assert decode.choose_splits(gpu, 512, 128) == 1                  # B=64: the batch fills the GPU
+
+
 def test_flex_attention_convention_with_block_mask():
     """q_offsets=0 and a BlockMask for (Lq, Lkv): what flex_attention's dispatch passes.
 
