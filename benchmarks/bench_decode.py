@@ -365,8 +365,31 @@ def check_mods(cuda) -> dict:
         ref = flex_attention_reference(qq, kk[None], vv[None], score, mask, enable_gqa=True,
                                        dtype=torch.float32)[:, :, n - 4:]
         err = max(err, (out[b:b + 1].float() - ref).abs().max().item())
-    return dict(case="paged GQA decode, 4 queries, softcap + sliding-window block mask",
-                max_err=err, ok=err < 3e-2 and not out.isnan().any().item())
+    ok = err < 3e-2 and not out.isnan().any().item()
+
+    # A serving loop: append one token per sequence, attend, repeat. From the second step
+    # on the launches are replays (launch.Replay) with the step's new query and outputs,
+    # the lengths grown in place: each step is checked.
+    block_mask = cache.block_mask(mask, BLOCK_SIZE=64)
+    loop_err = 0.0
+    for step in range(4):
+        k1 = torch.randn(len(lens), Hkv, 1, Dh, device=device, dtype=DTYPE)
+        v1 = torch.randn_like(k1)
+        cache.append(slots, k1, v1)
+        q1 = torch.randn(len(lens), Hq, 1, Dh, device=device, dtype=DTYPE)
+        out1 = cache.attention(q1, slots, score_mod=score, block_mask=block_mask)
+        for b in range(len(lens)):
+            kk, vv = cache.gather(slots[b])
+            n = kk.shape[1]
+            qq = torch.zeros(1, Hq, n, Dh, device=device, dtype=DTYPE)
+            qq[:, :, n - 1:] = q1[b:b + 1]
+            ref = flex_attention_reference(qq, kk[None], vv[None], score, mask, enable_gqa=True,
+                                           dtype=torch.float32)[:, :, n - 1:]
+            loop_err = max(loop_err, (out1[b:b + 1].float() - ref).abs().max().item())
+        ok = ok and not out1.isnan().any().item()
+    return dict(case="paged GQA decode, 4 queries, softcap + sliding-window block mask; "
+                     "then 4 steps of append + attend (replayed launches)",
+                max_err=err, loop_max_err=loop_err, ok=ok and loop_err < 3e-2)
 
 
 def _f(x, spec, missing="-"):

@@ -297,6 +297,85 @@ def test_repeated_calls_follow_what_changes_between_them():
                          kv_lengths=lengths, scale=True)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("offsets", [None, 5])
+def test_swapped_tensors_are_the_split_kernels_leading_arguments(paged, splits, offsets):
+    """A replayed decode launch swaps in the tensors ``decode._swapped`` lists: they must be
+    the split kernel's first arguments, in its module's order, in every layout."""
+    from flexgen import cache, decode
+    B, Hq, Hkv, L, P = 2, 4, 2, 64, 16
+    q, k, v = inputs(B, Hq, Hkv, 1, L, seed=3)
+    lengths = torch.tensor([40, 64], dtype=torch.int32)
+    table = None
+    if paged:   # [pages, page_size, Hkv, D] caches and a table of shuffled pages
+        k = k.view(B, Hkv, L // P, P, -1).permute(0, 2, 3, 1, 4).reshape(-1, P, Hkv, k.shape[-1])
+        v = v.view(B, Hkv, L // P, P, -1).permute(0, 2, 3, 1, 4).reshape(-1, P, Hkv, v.shape[-1])
+        table = torch.randperm(B * L // P, generator=gen(4)).view(B, -1).to(torch.int32)
+    plan = decode._plan(q, k, v, None, None, None, True, lengths, table, None, offsets, None, splits,
+                        None, None)
+    out, lse = torch.empty(B, Hq, 1, 32), torch.empty(B, Hq, 1)
+    o_part, l_part = torch.empty(B, Hq, 1, splits, 32), torch.empty(B, Hq, 1, splits)
+    module = cache.load(plan.spec, interpret=True)
+    _, args, _ = module.arguments(q, k, v, out, lse, o_part, l_part, plan.seq, plan.page_table,
+                                  plan.visit, plan.score_buffers, plan.mask_buffers, plan.scale,
+                                  plan.q_tile, plan.num_splits, plan.page_size, plan.sparse_q,
+                                  plan.sparse_kv)
+    swapped = decode._swapped(plan, q, k, v, out, lse, o_part, l_part)
+    assert [a is b for a, b in zip(args, swapped)] == [True] * len(swapped)
+    assert not isinstance(args[len(swapped)], torch.Tensor)   # what follows is fixed by replay_key
+
+
+def test_a_repeated_call_replays_its_launches(monkeypatch):
+    """Replays stand in for the GPU's (launch.run returns none under the interpreter): a call
+    like an earlier one relaunches with its new tensors; anything replay_key holds launches
+    anew; a replay that declines (new alignment, say) falls back to a launch."""
+    from flexgen import decode, launch
+
+    class FakeReplay:
+        def __init__(self, template):
+            self.template, self.seen, self.accept = template, [], True
+
+        def __call__(self, *tensors):
+            self.seen.append(tensors)
+            return self.accept
+
+    launched = []
+
+    def fake_run(spec, device, *inputs, replay=0, **kwargs):
+        launched.append(FakeReplay(spec.template))
+        assert replay == (11 if spec.template == "decode" else 4)
+        return launched[-1]
+
+    monkeypatch.setattr(launch, "run", fake_run)
+    monkeypatch.setattr(decode, "_STATIC", {})        # no fake replay outlives the test
+    B, Hq, Hkv, L = 2, 4, 2, 200
+    q, k, v = inputs(B, Hq, Hkv, 1, L, seed=5)
+    lengths = torch.tensor([150, 200], dtype=torch.int32)
+
+    def call(query, **kw):
+        return decode_attention(query, k, v, enable_gqa=True, kv_lengths=kw.pop("kv", lengths),
+                                num_splits=kw.pop("splits", 2), **kw)
+
+    call(q)
+    assert [r.template for r in launched] == ["decode", "decode_merge"]
+    split, merge = launched
+    q2 = torch.randn_like(q)
+    lengths2 = torch.tensor([160, 199], dtype=torch.int32)      # another tensor, same layout
+    out = call(q2, kv=lengths2)
+    assert len(launched) == 2
+    assert split.seen[-1][0] is q2 and split.seen[-1][7] is lengths2 and split.seen[-1][3] is out
+    assert merge.seen[-1][2] is out
+    call(q2, scale=0.5)
+    call(q2, splits=3)
+    call(q2, q_offsets=3)                                       # given positions: another constexpr
+    assert [r.template for r in launched[2:]] == ["decode", "decode_merge"] * 3
+    n = len(launched)
+    split.accept = False
+    call(q)
+    assert [r.template for r in launched[n:]] == ["decode"]     # the merge still replays
+
+
 def test_block_mask_memo_follows_reassigned_fields():
     """A mask's derived visit lists are recomputed when its list fields are reassigned."""
     from flexgen.decode import _visit_lists
