@@ -3,6 +3,7 @@
     python benchmarks/bench_backward.py                      # the default subset (~200 s on an H100)
     python benchmarks/bench_backward.py --variants full,causal --lengths 1k,2k,4k,8k,16k --dims 64,128
     python benchmarks/bench_backward.py --smoke              # tiny sizes on CPU: checks the script only
+    python benchmarks/bench_backward.py --flexgen-options '{"USE_TMA": true}'   # flexgen's TMA kernels
 
 The companion of ``bench_forward.py`` (its helpers are imported from there:
 inputs, mods, the exact unmasked count, the timer, the ceiling, the JSON
@@ -42,6 +43,12 @@ torch flex cannot run (an error, or CPU in --smoke runs: torch has no CPU
 flex backward) and the case is small, the dense float32 reference
 (``flexgen.reference``) stands in.
 
+``--flexgen-options JSON`` passes a dict as flexgen's ``kernel_options`` in every
+flexgen call (as in ``bench_forward.py``), e.g. ``{"USE_TMA": false}`` / ``{"USE_TMA":
+true}`` to compare the pointer and TMA kernels (the backward follows the forward's
+choice); the JSON records it (``config.flexgen_options``) and, per case, the path and
+tiles of each kernel the first flexgen call launched (``flexgen_kernels``).
+
 Writes ``bench_backward.json`` to ``--out``: ``$OUT`` when set, else
 ``benchmarks/results/`` under a name with the device and date. Prints a table
 at the end (also to ``$BENCH_BACKWARD_SUMMARY`` when that is set).
@@ -66,7 +73,7 @@ from common import report  # noqa: E402
 from bench_forward import (DOC_AVG, SDPA_VARIANTS, SOFTCAP, WINDOW, Timeout, Timer,  # noqa: E402
                            _check_stop, _raise, count_unmasked, environment, f, make_mods,
                            make_sets, measure_ceiling, case_grid, output_path, rotating, write_json,
-                           error_text, free_memory, run_grid)
+                           error_text, free_memory, run_grid, parse_options)
 
 import flexgen  # noqa: E402
 
@@ -92,15 +99,38 @@ class SmokeTimer(Timer):
         return (time.perf_counter() - t0) * 1e3
 
 
+def kernel_path(r) -> str:
+    """"tma", "pointer" or "mixed": how flexgen's backward kernels of a case addressed memory."""
+    paths = {k["use_tma"] for name, k in (r.get("flexgen_kernels") or {}).items() if name.startswith("backward")}
+    return "tma" if paths == {True} else "pointer" if paths == {False} else "mixed" if paths else "?"
+
+
 def describe(r) -> str:
     return (f"{r['variant']:<14} D={r['D']:<3} L={r['L']:<6} bwd: flexgen {r['flexgen_bwd_ms']:.3f} ms "
-            f"{r['flexgen_bwd_tflops']:.0f} TF/s | torch {f(r.get('torch_bwd_ms'), '.3f')} ms | "
+            f"{r['flexgen_bwd_tflops']:.0f} TF/s ({kernel_path(r)}) | torch {f(r.get('torch_bwd_ms'), '.3f')} ms | "
             f"sdpa {f(r.get('sdpa_best_bwd_ms'), '.3f')} ms | check {r['check']}")
 
 
 def grads(attn, q, k, v, dout):
     """(dq, dk, dv) of one forward + backward."""
     return torch.autograd.grad(attn(q, k, v), (q, k, v), dout)
+
+
+def recording_kernels(fn):
+    """(fn(), {kernel: path and tiles}) for the flexgen kernels that ``fn`` launched."""
+    from flexgen import launch
+    previous, launch.RECORDED = launch.RECORDED, []
+    try:
+        result = fn()
+        recorded = launch.RECORDED
+    finally:
+        launch.RECORDED = previous
+    kernels = {}
+    for spec, _, _ in recorded:
+        name = f"backward.{spec.part}" if spec.template == "backward" else spec.template
+        kernels[name] = dict(use_tma=spec.use_tma, block_m=spec.block_m, block_n=spec.block_n,
+                             num_warps=spec.num_warps, num_stages=spec.num_stages)
+    return result, kernels
 
 
 def time_training(attn, sets, timer) -> dict:
@@ -171,9 +201,13 @@ def run_case(D, variant, L, args, timer, cuda, seed) -> dict:
     if mask_mod is not None:
         fg_mask = flexgen.create_block_mask(mask_mod, mask_batch, None, L, L, device=dev)
 
+    options = args.flexgen_options
+
     def fg(q, k, v):
-        return flexgen.flex_attention(q, k, v, score_mod=score_mod, block_mask=fg_mask)
-    fg_grads = grads(fg, *sets[0])        # the first call compiles the forward and both backward kernels
+        return flexgen.flex_attention(q, k, v, score_mod=score_mod, block_mask=fg_mask,
+                                      kernel_options=options)
+    # The first call compiles the forward and both backward kernels.
+    fg_grads, r["flexgen_kernels"] = recording_kernels(lambda: grads(fg, *sets[0]))
     timer.sync()
     r["flexgen_first_call_s"] = time.perf_counter() - t0
     record("flexgen", time_training(fg, sets, timer))
@@ -288,6 +322,8 @@ def table(payload) -> str:
     head = (f"{'D':>3} {'variant':<14} {'L':>6} {'B':>3} | {'bwd: flexgen':>12} {'TF/s':>5} {'±%':>4} | "
             f"{'torch':>5} {'ratio':>5} | {'sdpa':>5} {'which':<9} {'ratio':>5} | "
             f"{'fwd+bwd TF/s: flexgen':>21} {'torch':>5} {'ratio':>5} | {'check':<13}")
+    if payload.get("config", {}).get("flexgen_options"):
+        lines.append(f"flexgen kernel_options: {payload['config']['flexgen_options']}")
     lines += [head, "-" * len(head)]
     for r in payload.get("cases", []):
         if "skipped" in r or "error" in r:
@@ -341,6 +377,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-sdpa", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (interpreter): tests the script")
     ap.add_argument("--out", default=None, help="output folder (default $OUT, else benchmarks/results)")
+    ap.add_argument("--flexgen-options", type=parse_options, default=None, metavar="JSON",
+                    help='flexgen kernel_options for every flexgen call, e.g. \'{"USE_TMA": true}\'')
     args = ap.parse_args(argv)
 
     cuda = not args.smoke
@@ -374,10 +412,12 @@ def main(argv=None) -> int:
                                         flops_per_pair=dict(fwd=FWD_FLOPS, bwd=BWD_FLOPS,
                                                             fwdbwd=FWD_FLOPS + BWD_FLOPS),
                                         check_tol=CHECK_TOL, donated_buffer_was=donated,
-                                        grid=[list(g) for g in grid], argv=sys.argv[1:]),
+                                        grid=[list(g) for g in grid], argv=sys.argv[1:],
+                                        flexgen_options=args.flexgen_options),
                    cases=[])
     print(f"bench_backward on {env['device_name']}: torch {env['torch']}, triton {env['triton']}, "
-          f"{len(grid)} cases, budget {args.budget:.0f} s -> {json_path}", flush=True)
+          f"{len(grid)} cases, budget {args.budget:.0f} s -> {json_path}"
+          + (f", flexgen kernel_options {args.flexgen_options}" if args.flexgen_options else ""), flush=True)
     try:
         payload["ceiling"] = measure_ceiling(timer, cuda, args.smoke)
         print(f"  ceiling: {payload['ceiling']['matmul_tflops']:.0f} TFLOP/s bf16 matmul"

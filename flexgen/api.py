@@ -25,7 +25,9 @@ from .trace import trace_cached
 
 OPTION_KEYS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
 # Switches (bools), not tiles: USE_TMA loads Q, K, V and stores the output through Hopper
-# TMA descriptors (forward kernel only; inputs TMA cannot address use the pointer kernel).
+# TMA descriptors (the forward kernel, and both backward kernels, which follow the forward's
+# choice; a call whose tensors TMA cannot address, e.g. an expanded grad_out, runs the
+# pointer kernels).
 # It is on by default for fp16 / bf16 on GPUs that have TMA (sm_90+), where the H100
 # measured it 0-22% faster than pointer loads (benchmarks/NOTES.md), for calls of at
 # least TMA_MIN_SCORES score elements (B * Hq * Lq * Lkv, ~150 us of kernel at D=128):

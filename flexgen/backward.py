@@ -22,6 +22,14 @@ Two kernels, one template (``templates/backward.py.jinja``), two parts:
 - ``dkdv``: one program per (kv tile, batch, KV head), looping over the query
   heads of its GQA group and, for each, over the query blocks of the mask's
   transposed lists (``q_num_blocks`` / ``q_indices``, ``full_q_*``).
+
+Both parts have a TMA variant (``use_tma``), as the forward kernel does: q, k,
+v, out, dO and the dQ / dK / dV outputs go through host tensor descriptors
+(the LSE, delta and the captured buffers stay pointer loads). The backward
+takes it when its forward spec did (the same ``USE_TMA`` option and default)
+and every tensor it would address that way can be (``_tma_addressable``: the
+upstream gradient autograd hands over can have any strides); otherwise that
+call runs the pointer kernels.
 """
 from __future__ import annotations
 
@@ -36,7 +44,7 @@ from .codegen import Address, Snippet, print_address, print_joint
 from .errors import FlexgenError
 from .expr import INDEX_SYMBOLS, SCORE, NotDifferentiable, derivative, load_applications
 from .lowering import lower
-from .spec import BufferSig, KernelSpec
+from .spec import BufferSig, KernelSpec, _tma_strides_ok
 from .trace import Traced
 
 
@@ -205,6 +213,7 @@ class BackwardPlan:
     mask_buffers: tuple
     scale: float
     tune_blocks: tuple | None     # sparse block sizes the autotuner's tiles divide; None: fixed tiles
+    pointer: tuple | None = None  # TMA dq, dkdv: their pointer variants (for calls TMA cannot address)
 
 
 def plan(forward: KernelSpec, score_traced, block_mask, query, mask_buffers, scale,
@@ -220,18 +229,19 @@ def plan(forward: KernelSpec, score_traced, block_mask, query, mask_buffers, sca
     if specs is None:
         specs = _SPECS[memo_key] = _specs(forward, lower_grad(score_traced, grad_slots),
                                           dq_options, dkdv_options)
-    dq, dkdv = specs
+    dq, dkdv, pointer = specs
     kv_sparse = q_sparse = None
     if block_mask is not None:
         B, H = query.shape[:2]
         kv_sparse = _lists(block_mask, "kv", B, H)
         q_sparse = _lists(block_mask, "q", B, H)
     return BackwardPlan(dq, dkdv, kv_sparse, q_sparse, grad_slots, tuple(mask_buffers), scale,
-                        tune_blocks)
+                        tune_blocks, pointer)
 
 
-# (forward key, score_mod signature, grad slots, options) -> (dq spec, dkdv spec): the same
-# spec objects on every call, so their keys (a hash of the whole spec) are computed once.
+# (forward key, score_mod signature, grad slots, options) -> (dq spec, dkdv spec, their pointer
+# variants or None): the same spec objects on every call, so their keys (a hash of the whole
+# spec) are computed once.
 _SPECS: dict = {}
 
 
@@ -241,17 +251,23 @@ def _tiles(options: dict) -> dict:
 
 
 def _specs(forward: KernelSpec, grads: LoweredGrad, dq_options: dict, dkdv_options: dict) -> tuple:
-    common = dict(mask=forward.mask, score_buffers=forward.score_buffers,
-                  mask_buffers=forward.mask_buffers, qk_head=forward.qk_head,
-                  v_head=forward.v_head, dtype=forward.dtype,
-                  has_block_mask=forward.has_block_mask, dot_precision=forward.dot_precision,
-                  score_grad_const=grads.score_grad_const)
-    dq = BackwardSpec("backward", part="dq", score=grads.dq.snippet,
-                      score_grad=grads.dq.score_grad, scatters=grads.scatters,
-                      grad_buffers=grads.grad_buffers, **_tiles(dq_options), **common)
-    dkdv = BackwardSpec("backward", part="dkdv", score=grads.dkdv.snippet,
-                        score_grad=grads.dkdv.score_grad, **_tiles(dkdv_options), **common)
-    return dq, dkdv
+    """(dq spec, dkdv spec, None), or with a TMA forward (TMA dq, TMA dkdv, (pointer dq, pointer dkdv))."""
+    def both(use_tma):
+        common = dict(mask=forward.mask, score_buffers=forward.score_buffers,
+                      mask_buffers=forward.mask_buffers, qk_head=forward.qk_head,
+                      v_head=forward.v_head, dtype=forward.dtype,
+                      has_block_mask=forward.has_block_mask, dot_precision=forward.dot_precision,
+                      score_grad_const=grads.score_grad_const, use_tma=use_tma)
+        dq = BackwardSpec("backward", part="dq", score=grads.dq.snippet,
+                          score_grad=grads.dq.score_grad, scatters=grads.scatters,
+                          grad_buffers=grads.grad_buffers, **_tiles(dq_options), **common)
+        dkdv = BackwardSpec("backward", part="dkdv", score=grads.dkdv.snippet,
+                            score_grad=grads.dkdv.score_grad, **_tiles(dkdv_options), **common)
+        return dq, dkdv
+
+    if not forward.use_tma:
+        return (*both(False), None)
+    return (*both(True), both(False))
 
 
 def _lists(block_mask, which: str, B: int, H: int) -> tuple:
@@ -271,11 +287,32 @@ def _lists(block_mask, which: str, B: int, H: int) -> tuple:
     return (*lists, *block_mask.BLOCK_SIZE)
 
 
+def _tma_addressable(t: torch.Tensor) -> bool:
+    """Whether a [B, H, L, D] tensor can back a TMA descriptor (see ``spec.tma_supported``):
+    a 16-byte-aligned base, a contiguous last dim, other strides in multiples of 16 bytes,
+    and no zero stride where a dim is stepped (an expanded tensor: the pointer kernel)."""
+    shape, strides = t.shape, t.stride()
+    return (t.data_ptr() % 16 == 0 and _tma_strides_ok(shape, strides, t.element_size())
+            and all(n == 1 or s > 0 for n, s in zip(shape, strides)))
+
+
+def _pick(bw: BackwardPlan, tensors, dtype) -> tuple:
+    """The (dq, dkdv) specs for one call: the plan's, or its pointer variants where the plan's
+    are TMA kernels and one of ``tensors`` (everything they address through descriptors, all
+    in ``dtype``; None for an output not computed) is not TMA-addressable."""
+    if bw.pointer is not None and not all(t is None or (t.dtype == dtype and _tma_addressable(t))
+                                          for t in tensors):
+        return bw.pointer
+    return bw.dq, bw.dkdv
+
+
 def run(bw: BackwardPlan, query, key, value, out, lse, grad_out, grad_lse, score_buffers,
         needs_kv: bool = True):
     """(dq, dk, dv, buffer gradients) for one call; dk, dv are None unless ``needs_kv``.
 
-    Buffer gradients come back as a dict slot -> tensor in the buffer's dtype.
+    Buffer gradients come back as a dict slot -> tensor in the buffer's dtype. With TMA
+    backward specs, a call whose tensors TMA cannot address (a grad_out that is expanded,
+    sliced or misaligned, say) runs the pointer kernels instead.
     """
     from .api import POISON       # the switch lives with the forward's
     device = query.device
@@ -297,10 +334,11 @@ def run(bw: BackwardPlan, query, key, value, out, lse, grad_out, grad_lse, score
     grads = [torch.zeros(score_buffers[i].shape, dtype=torch.float32, device=device)
              for i in bw.grad_slots]
     common = (query, key, value, out, grad_out, lse, dlse, delta, dq, dk, dv)
-    launch.run(bw.dq, device, *common, bw.kv_sparse, score_buffers, bw.mask_buffers, grads, bw.scale,
+    dq_spec, dkdv_spec = _pick(bw, (query, key, value, out, grad_out, dq, dk, dv), query.dtype)
+    launch.run(dq_spec, device, *common, bw.kv_sparse, score_buffers, bw.mask_buffers, grads, bw.scale,
                tune_blocks=bw.tune_blocks)
     if needs_kv:
-        launch.run(bw.dkdv, device, *common, bw.q_sparse, score_buffers, bw.mask_buffers, (),
+        launch.run(dkdv_spec, device, *common, bw.q_sparse, score_buffers, bw.mask_buffers, (),
                    bw.scale, tune_blocks=bw.tune_blocks)
     buffer_grads = {slot: g.to(score_buffers[slot].dtype) for slot, g in zip(bw.grad_slots, grads)}
     return dq, dk, dv, buffer_grads

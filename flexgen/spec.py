@@ -53,7 +53,7 @@ class KernelSpec:
     num_warps: int = 4
     num_stages: int = 1
     dot_precision: str = "ieee"
-    use_tma: bool = False          # forward: Q, K, V and the output through TMA tensor descriptors
+    use_tma: bool = False          # forward, backward: the [B, H, L, D] tensors through TMA descriptors
     flexgen_version: str = __version__
     triton_version: str = triton.__version__
 
