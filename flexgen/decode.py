@@ -51,6 +51,7 @@ MAX_DECODE_QUERIES = 16          # use_decode_path's limit on queries per sequen
 CPU_SPLITS = 2                   # splits under the interpreter: small, but the merge always runs
 MIN_TILES_PER_SPLIT = 2          # a split reads at least this many BLOCK_N tiles
 MAX_SPLITS = 64
+DEEP_STAGES = 3                  # pipeline stages of a decode kernel that has an SM to itself
 OPTION_KEYS = {"BLOCK_N", "num_warps", "num_stages", "NUM_SPLITS"}
 # Options meant for the forward kernel or for torch's kernels: accepted, ignored here.
 IGNORED_OPTIONS = {"BLOCK_M", "PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS",
@@ -169,18 +170,22 @@ def _sm_count(device: torch.device) -> int:
 
 
 _SPLITS: dict = {}                 # (device, programs, kv_tiles, paged) -> splits
+SHORT_SPLIT_TILES = 32             # contiguous keys: below this many tiles per split, one program per SM
 
 
 def choose_splits(device: torch.device, programs: int, kv_tiles: int, paged: bool = False) -> int:
     """How many programs share one sequence's keys (split-K).
 
     ``programs`` is the number of (batch, kv head, query tile) work items and
-    ``kv_tiles`` the longest sequence in BLOCK_N tiles. On a GPU: enough splits
-    for about one program per SM reading contiguous keys, two reading pages
-    (each tile's page-table lookup adds latency that more programs in flight
-    hide), no split shorter than MIN_TILES_PER_SPLIT tiles, at most MAX_SPLITS.
-    (H100, B=1, Hkv=8, 8k keys, CUDA graphs: 16 splits 29.6 us, 33 splits
-    36.2 us contiguous; paged at 32k, 32 splits 75 us, 16 splits 85 us.)
+    ``kv_tiles`` the longest sequence in BLOCK_N tiles. On a GPU: as many splits
+    as make two programs per SM, no more (a partial second wave costs a whole
+    program's time), except on contiguous keys where that would leave splits
+    shorter than SHORT_SPLIT_TILES tiles: one program per SM then, which then
+    runs a deeper pipeline (``deep_spec``). No split shorter than
+    MIN_TILES_PER_SPLIT tiles, at most MAX_SPLITS. Paged reads, which wait on a
+    page-table load per tile, keep two per SM. (H100, B=1, Hkv=8, CUDA graphs:
+    contiguous 8k keys, 16 splits 29.7 us, 33 splits 36.4; 128k, 33 splits 207 us,
+    16 splits 227; paged 32k, 32 splits 75 us, 16 splits 85.)
     Under the interpreter: CPU_SPLITS for up to 16 work items, else 1.
     Memoized (the SM count is the device's).
     """
@@ -193,8 +198,11 @@ def choose_splits(device: torch.device, programs: int, kv_tiles: int, paged: boo
             splits = max(1, min(CPU_SPLITS if programs <= 16 else 1, kv_tiles))
         else:
             cap = max(1, min(MAX_SPLITS, kv_tiles // MIN_TILES_PER_SPLIT))
-            want = -(-(2 if paged else 1) * _sm_count(device) // max(1, programs))
-            splits = max(1, min(want, cap))
+            sms, programs = _sm_count(device), max(1, programs)
+            splits = max(1, 2 * sms // programs)
+            if not paged and kv_tiles < SHORT_SPLIT_TILES * splits:
+                splits = max(1, sms // programs)
+            splits = min(splits, cap)
         if len(_SPLITS) >= 4096:
             _SPLITS.clear()
         _SPLITS[key] = splits
@@ -215,11 +223,29 @@ def _geometry(device, G, Lq, D, sparse_q):
     if device.type != "cuda":
         # The interpreter's cost is per operation: few, large tiles.
         return q_tile, block_m, 64, 4, 1
-    # Two stages: on the H100 (bench_decode --sweep, q_len=1, GQA 4, D=128) three were
-    # 1-11% slower from B=8 up (B=64, 8k keys: 788 -> 710 us with two).
+    # Two stages where several programs share an SM: on the H100 (bench_decode --sweep,
+    # q_len=1, GQA 4, D=128) three were 1-11% slower from B=8 up (B=64, 8k keys: 788 -> 710
+    # us with two). One program per SM runs _Static.deep_spec's three instead.
     block_n = 64 if D <= 128 else 32
     warps = 8 if block_m >= 128 and D <= 128 else 4
     return q_tile, block_m, block_n, warps, 2
+
+
+def _deep_stages(device, head_dim: int, stages: int, kernel_options) -> int:
+    """Pipeline stages for a decode kernel whose programs each have an SM to themselves.
+
+    Nothing else hides such a program's load latency: a deeper pipeline (H100, B=1, 8k
+    keys, 16 splits: 34.4 us with two stages, 29.7 with three). Not past D=128, where
+    two stages are what fits in shared memory; a caller's num_stages holds either way.
+    """
+    if kernel_options and "num_stages" in kernel_options:
+        return kernel_options["num_stages"]
+    return DEEP_STAGES if device.type == "cuda" and head_dim <= 128 else stages
+
+
+def _alone(device, programs: int, num_splits: int) -> bool:
+    """Whether every program of a launch gets an SM to itself (then: ``_deep_stages``)."""
+    return device.type == "cuda" and programs * num_splits <= _sm_count(device)
 
 
 def _options(kernel_options, opts: dict, sparse_kv) -> dict:
@@ -282,7 +308,7 @@ class _Static:
     from the block mask (the memo entry lives with the mask and is dropped when one of
     its list fields is reassigned).
     """
-    __slots__ = ("refs", "spec", "merge_spec", "q_tile", "page_size", "capacity", "programs",
+    __slots__ = ("refs", "spec", "deep_spec", "merge_spec", "q_tile", "page_size", "capacity", "programs",
                  "block_n", "num_splits", "visit", "mask_lengths", "sparse_q", "sparse_kv", "replays")
 
 
@@ -396,15 +422,20 @@ def _static(query, key, value, score_traced, mask_traced, block_mask, mask_mod, 
 
     st = _Static()
     st.refs = tuple(None if t is None else weakref.ref(t) for t in (score_traced, mask_traced))
-    st.spec = kernel_spec(
-        "decode",
-        **mod_fields(score, mask),
-        qk_head=D, v_head=Dv, dtype=DTYPES[query.dtype],
-        has_block_mask=block_mask is not None,
-        block_m=block_m, block_n=opts["BLOCK_N"],
-        num_warps=opts["num_warps"], num_stages=opts["num_stages"],
-        dot_precision=dot_precision(query),
-    )
+    def decode_spec(stages):
+        return kernel_spec(
+            "decode",
+            **mod_fields(score, mask),
+            qk_head=D, v_head=Dv, dtype=DTYPES[query.dtype],
+            has_block_mask=block_mask is not None,
+            block_m=block_m, block_n=opts["BLOCK_N"],
+            num_warps=opts["num_warps"], num_stages=stages,
+            dot_precision=dot_precision(query),
+        )
+
+    st.spec = decode_spec(opts["num_stages"])
+    deep = _deep_stages(device, max(D, Dv), opts["num_stages"], kernel_options)
+    st.deep_spec = st.spec if deep == opts["num_stages"] else decode_spec(deep)
     st.merge_spec = kernel_spec(
         "decode_merge", v_head=Dv, dtype=DTYPES[query.dtype],
         block_m=64 if device.type != "cuda" else 16, num_warps=4)
@@ -508,7 +539,7 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kv_length
                                    paged=page_table is not None)
 
     plan = _Plan()
-    plan.spec = st.spec
+    plan.spec = st.deep_spec if _alone(device, st.programs, num_splits) else st.spec
     plan.merge_spec = None if num_splits == 1 else st.merge_spec
     plan.seq, plan.page_table, plan.visit = (kv, qs, ql), page_table, st.visit
     plan.score_buffers = () if score_traced is None else score_traced.buffers

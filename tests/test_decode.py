@@ -123,17 +123,32 @@ def test_split_counts_agree(num_splits):
 
 
 def test_split_counts_on_a_gpu(monkeypatch):
-    """About one program per SM on contiguous keys, two on pages; never splits under
+    """Two programs per SM, one on contiguous keys where splits would be short; never splits under
     MIN_TILES_PER_SPLIT tiles or over MAX_SPLITS (the SM count is faked: no GPU here)."""
     from flexgen import decode
     monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
     monkeypatch.setattr(decode, "_SPLITS", {})
     gpu = torch.device("cuda", 0)
-    assert decode.choose_splits(gpu, 8, 128) == 17                  # B=1, Hkv=8, 8k keys / 64
+    assert decode.choose_splits(gpu, 8, 128) == 16                  # B=1, Hkv=8, 8k keys / 64
     assert decode.choose_splits(gpu, 8, 128, paged=True) == 33
+    assert decode.choose_splits(gpu, 8, 2048) == 33                 # 128k keys: long splits, 2 per SM
     assert decode.choose_splits(gpu, 8, 6) == 6 // decode.MIN_TILES_PER_SPLIT
     assert decode.choose_splits(gpu, 1, 4096, paged=True) == decode.MAX_SPLITS
     assert decode.choose_splits(gpu, 512, 128) == 1                  # B=64: the batch fills the GPU
+
+
+def test_one_program_per_sm_runs_the_deeper_pipeline(monkeypatch):
+    """Three stages where each program has an SM to itself, else two; not past D=128, and a
+    caller's num_stages holds (the SM count is faked: no GPU here)."""
+    from flexgen import decode
+    monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert [decode._alone(gpu, 8, s) for s in (16, 17)] == [True, False]   # 8 x 16 = 128 <= 132
+    assert not decode._alone(cpu, 1, 1)
+    assert decode._deep_stages(gpu, 128, 2, None) == decode.DEEP_STAGES
+    assert decode._deep_stages(gpu, 256, 2, None) == 2
+    assert decode._deep_stages(gpu, 128, 2, {"num_stages": 4}) == 4
+    assert decode._deep_stages(cpu, 64, 1, None) == 1
 
 
 def test_flex_attention_convention_with_block_mask():
