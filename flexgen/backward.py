@@ -27,7 +27,7 @@ Both parts have a TMA variant (``use_tma``), as the forward kernel does: q, k,
 v, out, dO and the dQ / dK / dV outputs go through host tensor descriptors
 (the LSE, delta and the captured buffers stay pointer loads). The backward
 takes it when its forward spec did (the same ``USE_TMA`` option and default)
-and every tensor it would address that way can be (``_tma_addressable``: the
+and every tensor it would address that way can be (``spec.tma_addressable``: the
 upstream gradient autograd hands over can have any strides); otherwise that
 call runs the pointer kernels.
 """
@@ -44,7 +44,7 @@ from .codegen import Address, Snippet, print_address, print_joint
 from .errors import FlexgenError
 from .expr import INDEX_SYMBOLS, SCORE, NotDifferentiable, derivative, load_applications
 from .lowering import lower
-from .spec import BufferSig, KernelSpec, _tma_strides_ok
+from .spec import BufferSig, KernelSpec, tma_addressable
 from .trace import Traced
 
 
@@ -287,20 +287,11 @@ def _lists(block_mask, which: str, B: int, H: int) -> tuple:
     return (*lists, *block_mask.BLOCK_SIZE)
 
 
-def _tma_addressable(t: torch.Tensor) -> bool:
-    """Whether a [B, H, L, D] tensor can back a TMA descriptor (see ``spec.tma_supported``):
-    a 16-byte-aligned base, a contiguous last dim, other strides in multiples of 16 bytes,
-    and no zero stride where a dim is stepped (an expanded tensor: the pointer kernel)."""
-    shape, strides = t.shape, t.stride()
-    return (t.data_ptr() % 16 == 0 and _tma_strides_ok(shape, strides, t.element_size())
-            and all(n == 1 or s > 0 for n, s in zip(shape, strides)))
-
-
 def _pick(bw: BackwardPlan, tensors, dtype) -> tuple:
     """The (dq, dkdv) specs for one call: the plan's, or its pointer variants where the plan's
     are TMA kernels and one of ``tensors`` (everything they address through descriptors, all
     in ``dtype``; None for an output not computed) is not TMA-addressable."""
-    if bw.pointer is not None and not all(t is None or (t.dtype == dtype and _tma_addressable(t))
+    if bw.pointer is not None and not all(t is None or (t.dtype == dtype and tma_addressable(t))
                                           for t in tensors):
         return bw.pointer
     return bw.dq, bw.dkdv

@@ -99,9 +99,17 @@ def dot_precision(query: torch.Tensor) -> str:
 
 def _tma_strides_ok(shape, strides, itemsize) -> bool:
     # A dim of size 1 is never stepped: its stride does not matter (the descriptor gets a
-    # valid one, see the forward template's _descriptor).
+    # valid one, see _descriptor in common.py.jinja). A stepped dim needs a positive stride
+    # in 16-byte units: an expanded tensor (stride 0) takes the pointer kernel.
     return (len(shape) == 4 and min(shape) >= 1 and strides[3] == 1
-            and all(n == 1 or (s * itemsize) % 16 == 0 for n, s in zip(shape[:3], strides[:3])))
+            and all(n == 1 or (s > 0 and (s * itemsize) % 16 == 0)
+                    for n, s in zip(shape[:3], strides[:3])))
+
+
+def tma_addressable(t: torch.Tensor) -> bool:
+    """Whether a [B, H, L, D] tensor can back a TMA descriptor: a 16-byte-aligned base, a
+    contiguous last dim, and every stepped dim's stride a positive multiple of 16 bytes."""
+    return t.data_ptr() % 16 == 0 and _tma_strides_ok(t.shape, t.stride(), t.element_size())
 
 
 @functools.lru_cache(maxsize=None)
@@ -114,16 +122,15 @@ def _has_tma(device: torch.device) -> bool:
 def tma_supported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether the forward kernel can address query, key, value and its output with TMA.
 
-    Tensors are ``[B, H, L, D]``. TMA needs a device that has it (sm_90+), a
-    16-byte-aligned base, a contiguous last dim and the other strides in
-    multiples of 16 bytes; the output flexgen allocates (contiguous, value's
-    head dim) must pass too. Where one fails the pointer kernel runs instead.
+    Tensors are ``[B, H, L, D]``. TMA needs a device that has it (sm_90+) and
+    tensors it can address (``tma_addressable``); the output flexgen allocates
+    (contiguous, value's head dim) must pass too. Where one fails the pointer
+    kernel runs instead.
     """
     if not _has_tma(query.device):
         return False
-    for t in (query, key, value):
-        if t.data_ptr() % 16 or not _tma_strides_ok(t.shape, t.stride(), t.element_size()):
-            return False
+    if not all(map(tma_addressable, (query, key, value))):
+        return False
     B, H, L, _ = query.shape
     Dv = value.shape[3]
     return _tma_strides_ok((B, H, L, Dv), (H * L * Dv, L * Dv, Dv, 1), query.element_size())

@@ -219,6 +219,14 @@ def test_misaligned_base_falls_back():
     run_tma(q, k, v, expect_tma=False, block_mask=block_mask(M.causal_mask, L))
 
 
+def test_expanded_key_and_value_fall_back():
+    """K and V expanded over the heads (stride 0 on a stepped dim): the pointer kernel."""
+    B, H, L, D = 1, 4, 67, 32
+    q = make_qkv(B=B, H=H, L=L)[0]
+    k, v = (torch.randn(B, 1, L, D).expand(B, H, L, D) for _ in range(2))
+    run_tma(q, k, v, expect_tma=False, block_mask=block_mask(M.causal_mask, L))
+
+
 def test_misaligned_after_aligned_same_geometry():
     """Same shapes and strides as an earlier TMA call, a misaligned base: pointer kernel."""
     B, H, L, D = 1, 2, 71, 32
