@@ -320,6 +320,59 @@ def test_input_errors():
         cache.attention(randn(1, 4, 1, 32, seed=2), [a])
 
 
+# (page size, with a block mask): BLOCK_N is 64 under the interpreter, so pages of 16 take the
+# per-key gather, 64 one entry per tile, 128 one entry for two tiles.
+SPLIT_CASES = [(16, False), (64, False), (128, False), (16, True), (64, True), (128, True)]
+
+
+@pytest.mark.parametrize("page_size,with_block_mask", SPLIT_CASES,
+                         ids=[f"page{p}-{'blockmask' if m else 'dense'}" for p, m in SPLIT_CASES])
+def test_splits_read_only_their_pages(page_size, with_block_mask):
+    """The kernel loads each tile's table entries one tile ahead: splits that start and end at
+    any tile (some empty), lengths that end inside a tile or on a tile's end, sparse blocks
+    whose second tile lies past the sequence. Every table entry past a sequence's pages and
+    every unused slot of its last page point at NaN keys and values: one read unmasked, and
+    the output is NaN."""
+    from flexgen.decode import decode_attention
+    Hkv, group, D = 2, 4, 32
+    lengths = [3 * page_size + 70, 64, 1]
+    B, W = len(lengths), max(-(-n // page_size) for n in lengths)
+    num_pages = sum(-(-n // page_size) for n in lengths) + 1
+    nan_page = num_pages - 1
+    order = torch.randperm(num_pages - 1, generator=torch.Generator().manual_seed(page_size)).tolist()
+    wide = torch.full((B, W + 3), nan_page, dtype=torch.int32)   # entries past a row: NaN page too
+    k_cache = torch.full((num_pages, page_size, Hkv, D), math.nan)
+    v_cache = torch.full((num_pages, page_size, Hkv, D), math.nan)
+    k = randn(B, Hkv, max(lengths), D, seed=page_size + 1)
+    v = randn(B, Hkv, max(lengths), D, seed=page_size + 2)
+    for b, n in enumerate(lengths):
+        for i in range(-(-n // page_size)):
+            page = order.pop()
+            wide[b, i] = page
+            rows = slice(i * page_size, min(n, (i + 1) * page_size))
+            k_cache[page, :rows.stop - rows.start] = k[b, :, rows].transpose(0, 1)
+            v_cache[page, :rows.stop - rows.start] = v[b, :, rows].transpose(0, 1)
+    table = wide[:, :W]                                          # a view: rows W + 3 apart
+    q = randn(B, Hkv * group, 1, D, seed=page_size + 3)
+    mods = dict(score_mod=tanh_softcap(3.0))
+    mask_mod = None
+    if with_block_mask:
+        mask_mod = sliding_window(100)
+        mods["block_mask"] = create_block_mask(mask_mod, None, None, W * page_size, W * page_size,
+                                               device="cpu", BLOCK_SIZE=(16, 128))
+    want_out = torch.zeros(B, Hkv * group, 1, D, dtype=torch.float64)
+    want_lse = torch.zeros(B, Hkv * group, 1, dtype=torch.float64)
+    for b, n in enumerate(lengths):
+        o, l_ = flex_attention_reference(
+            q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], score_mod=shifted(mods["score_mod"], b, n - 1, "score"),
+            mask_mod=shifted(mask_mod, b, n - 1, "mask"), enable_gqa=True, return_lse=True, dtype=torch.float64)
+        want_out[b], want_lse[b] = o[0], l_[0]
+    for splits in (1, 3, 8):
+        got = decode_attention(q, k_cache, v_cache, enable_gqa=True, return_lse=True, kv_lengths=lengths,
+                               page_table=table, num_splits=splits, **mods)
+        assert_matches(got, (want_out, want_lse))
+
+
 def test_every_launched_kernel_compiles_for_sm90():
     """Ahead-of-time compile (triton.compile for sm_90) of each distinct kernel launched above."""
     assert_module_launches_compile(__name__, {"decode", "decode_merge", "paged_write"})
