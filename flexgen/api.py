@@ -17,7 +17,7 @@ from . import backward, launch, tuning
 from .block_mask import BlockMask
 from .cache import source
 from .checks import DTYPES, check_buffers, check_heads, check_scale, check_tensor
-from .decode import decode_attention, use_decode_path
+from .decode import decode_attention, few_queries
 from .errors import expected
 from .lowering import lower
 from .spec import KernelSpec, dot_precision, kernel_spec, mod_fields, tma_supported
@@ -138,6 +138,13 @@ class _Call:
     mask_buffers: tuple
     scale: float
     kernel_options: dict | None
+    # Whether query, key and value all start 16-byte aligned (part of the memo key).
+    aligned: bool
+    # The outputs to allocate: out [B, Hq, Lq, Dv] in ``dtype``, lse [B, Hq, Lq] float32.
+    out_shape: tuple
+    lse_shape: tuple
+    dtype: torch.dtype
+    device: torch.device
     # The forward launch, replayable with new q, k, v, out, lse (launch.Replay): the
     # next call with this plan skips rebuilding and re-specializing its arguments.
     replay: list = field(default_factory=lambda: [None], compare=False, repr=False)
@@ -159,42 +166,56 @@ def _mask_lists(block_mask) -> tuple:
             block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
 
 
+def _aligned(query, key, value) -> bool:
+    """Whether all three bases are 16-byte aligned: Triton specializes the kernel on each
+    pointer's alignment, and the TMA choice needs all three aligned (spec.tma_supported)."""
+    return not (query.data_ptr() | key.data_ptr() | value.data_ptr()) & 15
+
+
 def _call_key(query, key, value, score_traced, block_mask, scale, enable_gqa, kernel_options):
-    """The memo key of a call, or None for one that is not memoized (it may raise an InputError)."""
-    tensors = (query, key, value)
-    if not all(isinstance(t, torch.Tensor) for t in tensors):
+    """The memo key of a call, or None for one that is not memoized (the checked path then
+    raises the InputError). Built inline, one flat tuple: it is most of a warm call's cost."""
+    if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)
+            and isinstance(value, torch.Tensor)):
         return None
     options = None
     if kernel_options:
-        options = tuple(sorted(kernel_options.items())) if isinstance(kernel_options, dict) else kernel_options
-        try:
-            hash(options)
-        except TypeError:
-            return None
+        # Each value's type too: 64.0 == 64 (and hashes alike), but only the int is a tile.
+        options = (tuple([(k, type(v), v) for k, v in kernel_options.items()])
+                   if isinstance(kernel_options, dict) else kernel_options)
     mask = None
     if block_mask is not None:
         if not isinstance(block_mask, BlockMask):
             return None
-        mask = (block_mask.seq_lengths, *map(id, (block_mask, *_mask_lists(block_mask))))
-    # fp32 on the GPU uses tf32 only where torch allows it (spec.dot_precision).
-    tf32 = query.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
-    # scale's type too: True == 1 (and hashes alike), but only the int is a valid scale.
-    return (id(score_traced), mask, type(scale), scale, enable_gqa, options, tf32,
-            *[(t.shape, t.stride(), t.dtype, t.device) for t in tensors])
+        bm = block_mask
+        mask = (bm.seq_lengths, bm.BLOCK_SIZE, id(bm), id(bm.kv_num_blocks), id(bm.kv_indices),
+                id(bm.full_kv_num_blocks), id(bm.full_kv_indices))
+    try:
+        # fp32 on the GPU uses tf32 only where torch allows it (spec.dot_precision).
+        tf32 = query.dtype == torch.float32 and query.is_cuda and torch.backends.cuda.matmul.allow_tf32
+        # scale's type too: True == 1 (and hashes alike), but only the int is a valid scale.
+        return (id(score_traced), mask, type(scale), scale, enable_gqa, options, tf32,
+                _aligned(query, key, value),
+                query.shape, query.stride(), query.dtype, query.device,
+                key.shape, key.stride(), key.dtype, key.device,
+                value.shape, value.stride(), value.dtype, value.device)
+    except Exception:  # noqa: BLE001 - an odd tensor (no strides, no storage): the checked path explains
+        return None
 
 
 def _prepare(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
              score_traced=None) -> _Call:
     """Check everything and decide the forward kernel (``score_traced``: the score_mod's trace,
     when the caller has it already)."""
-    if score_traced is None:
+    if score_traced is None and score_mod is not None:
         score_traced = _trace_score(score_mod)
     memo = _call_key(query, key, value, score_traced, block_mask, scale, enable_gqa, kernel_options)
-    if memo is not None and (query.is_cuda or (isinstance(kernel_options, dict)
-                                               and kernel_options.get("USE_TMA"))):
-        # The TMA choice also reads whether each base is 16-byte aligned (spec.tma_supported).
-        memo = (memo, tuple(t.data_ptr() % 16 == 0 for t in (query, key, value)))
-    hit = _CALLS.get(memo) if memo is not None else None
+    hit = None
+    if memo is not None:
+        try:
+            hit = _CALLS.get(memo)
+        except TypeError:       # an unhashable option value, say: not memoized
+            memo = None
     if hit is not None:
         return hit[0]
     call = _plan_call(query, key, value, score_traced, block_mask, scale, enable_gqa, kernel_options)
@@ -241,7 +262,8 @@ def _plan_call(query, key, value, score_traced, block_mask, scale, enable_gqa, k
     )
     score_buffers = () if score_traced is None else score_traced.buffers
     return _Call(spec, sparse, score_traced, block_mask, score_buffers, mask_buffers, scale,
-                 kernel_options)
+                 kernel_options, _aligned(query, key, value), (B, Hq, Q_LEN, Dv), (B, Hq, Q_LEN),
+                 query.dtype, device)
 
 
 def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options):
@@ -261,15 +283,24 @@ def _backward_plan(call: _Call, query, value, slots) -> backward.BackwardPlan:
 
 
 def _forward(call: _Call, query, key, value):
-    B, Hq, Q_LEN, _ = query.shape
-    out = torch.empty(B, Hq, Q_LEN, value.shape[-1], dtype=query.dtype, device=query.device)
-    lse = torch.empty(B, Hq, Q_LEN, dtype=torch.float32, device=query.device)
+    # (Sizes as separate ints: torch parses them faster than one tuple.)
+    out = torch.empty(*call.out_shape, dtype=call.dtype, device=call.device)
+    lse = torch.empty(*call.lse_shape, dtype=torch.float32, device=call.device)
     if POISON:
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
     replay = call.replay[0]
-    if replay is not None and not tuning.needs_lookup() and replay(query, key, value, out, lse):
-        return out, lse
+    if replay is not None and not tuning.needs_lookup():
+        # What the kernel is specialized on is fixed by the plan's memo key (dtypes, and
+        # call.aligned: q, k, v aligned) but for the new outputs' alignment: torch's
+        # allocators align them, and it is checked all the same, two pointers instead of
+        # the five launch.Replay.__call__ would classify.
+        if call.aligned and not (out.data_ptr() | lse.data_ptr()) & 15:
+            launched = replay.launch(query, key, value, out, lse)
+        else:
+            launched = replay(query, key, value, out, lse)
+        if launched:
+            return out, lse
     call.replay[0] = launch.run(call.spec, query.device, query, key, value, out, lse, call.sparse,
                                 call.score_buffers, call.mask_buffers, call.scale,
                                 tune_blocks=_tunable_tiles(call), replay=5)
@@ -324,10 +355,14 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     raises ``flexgen.backward.GradientError`` here, before anything runs.
     """
     score_traced = _trace_score(score_mod)
-    slots = backward.grad_slots(score_traced)
-    needs_grad = torch.is_grad_enabled() and (
-        any(getattr(t, "requires_grad", False) for t in (query, key, value)) or bool(slots))
-    if not needs_grad and use_decode_path(query, key, value):
+    slots, needs_grad = (), False
+    if torch.is_grad_enabled():
+        if score_traced is not None and score_traced.buffers:
+            slots = backward.grad_slots(score_traced)
+        needs_grad = bool(slots or getattr(query, "requires_grad", False)
+                          or getattr(key, "requires_grad", False) or getattr(value, "requires_grad", False))
+    # (decode.use_decode_path, whose gradient test is the one just made.)
+    if not needs_grad and few_queries(query):
         # A few queries per sequence: the split-K decode kernel reads K/V once per
         # GQA group and spreads long contexts over the GPU (flexgen.decode). It
         # checks its inputs itself: planning the forward kernel first would be wasted.

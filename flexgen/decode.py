@@ -74,12 +74,18 @@ def use_decode_path(query, key, value=None) -> bool:
     True for at most ``MAX_DECODE_QUERIES`` (16) query tokens per sequence when
     no gradient is needed (decode_attention has no backward).
     """
-    if not isinstance(query, torch.Tensor) or query.dim() != 4 or query.shape[2] > MAX_DECODE_QUERIES:
+    if not few_queries(query):
         return False
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
                                        for t in (query, key, value)):
         return False
     return True
+
+
+def few_queries(query) -> bool:
+    """``use_decode_path`` without its gradient test: a 4-D tensor of at most
+    ``MAX_DECODE_QUERIES`` queries per sequence (for flex_attention, which has made that test)."""
+    return isinstance(query, torch.Tensor) and query.dim() == 4 and query.shape[2] <= MAX_DECODE_QUERIES
 
 
 # --- checks ----------------------------------------------------------------------------

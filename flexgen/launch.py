@@ -14,6 +14,7 @@ import contextlib
 import threading
 
 import torch
+import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import cache, tuning
@@ -105,7 +106,8 @@ class Replay:
     the same planned call, so the same shapes, strides, block mask and captured
     tensors). ``__call__`` returns False, launching nothing, when the new tensors
     differ in what Triton specializes on (dtype, 16-byte alignment) or the
-    current device changed; the caller then launches normally.
+    current device changed; the caller then launches normally. ``launch`` skips
+    the first of those checks, for a caller that has made it already.
     """
 
     def __init__(self, kernel, grid, args, tail, device_index, n):
@@ -115,10 +117,14 @@ class Replay:
         self.rest = tuple(args[n:]) + tail
 
     def __call__(self, *tensors) -> bool:
-        if _arg_classes(tensors) != self.classes or torch.cuda.current_device() != self.device_index:
-            return False
-        hooks = _runtime_knobs()
-        if not (_idle(hooks.launch_enter_hook) and _idle(hooks.launch_exit_hook)) or RECORDED is not None:
+        return _arg_classes(tensors) == self.classes and self.launch(*tensors)
+
+    def launch(self, *tensors) -> bool:
+        """Launch with ``tensors``, which the caller knows match ``classes`` (dtypes and
+        16-byte alignment as at the first launch: a kernel specialized on an aligned
+        pointer must never get another); False, launching nothing, where Triton's own
+        path must run instead."""
+        if RECORDED is not None or _current_device() != self.device_index or not _hooks_idle():
             return False
         kernel, (g0, g1, g2) = self.kernel, self.grid
         kernel.run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(self.device_index),
@@ -207,24 +213,29 @@ def _arg_classes(args) -> tuple | None:
     return tuple(classes)
 
 
-def _runtime_knobs():
-    import triton
-    return triton.knobs.runtime
-
-
 def _idle(hook) -> bool:
     """No launch hook is set (a profiler such as proton sets one: then Triton's path runs it)."""
     return hook is None or getattr(hook, "calls", None) == []
 
 
+def _hooks_idle() -> bool:
+    hooks = triton.knobs.runtime
+    return _idle(hooks.launch_enter_hook) and _idle(hooks.launch_exit_hook)
+
+
+def _current_device() -> int:
+    """``torch.cuda.current_device()`` without its lazy-initialization check (~1 us on a
+    slow host): only called once a launch on the GPU has initialized CUDA."""
+    return torch._C._cuda_getDevice()
+
+
 def _launch_compiled(spec: KernelSpec, module, grid, args, constexprs):
     """Launch on the GPU; returns (kernel, grid, args, tail, device index) when the launch
     went through a compiled kernel flexgen can call directly, else None."""
-    hooks = _runtime_knobs()
     device_index = torch.cuda.current_device()
     classes = _arg_classes(args)
     key = None
-    if classes is not None and _idle(hooks.launch_enter_hook) and _idle(hooks.launch_exit_hook):
+    if classes is not None and _hooks_idle():
         key = (spec.key, device_index, classes, *constexprs.values())
         hit = _COMPILED.get(key)
         if hit is not None:

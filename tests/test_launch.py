@@ -8,6 +8,7 @@ order, and anything Triton would specialize differently goes through Triton agai
 """
 from __future__ import annotations
 
+import sys
 import types
 
 import pytest
@@ -49,6 +50,7 @@ class FakeKernel:
 def fake_gpu(monkeypatch):
     launch._COMPILED.clear()
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)      # a replay's check
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 1234, raising=False)
     kernel = FakeKernel()
     module = types.SimpleNamespace(KERNEL=kernel, NUM_WARPS=4, NUM_STAGES=2)
@@ -161,11 +163,34 @@ def test_replay_launches_with_new_leading_tensors_only_when_they_specialize_alik
     calls = len(kernel.compiled.calls)
     assert not replay(torch.ones(65)[1:])                       # not 16-byte aligned
     assert not replay(torch.ones(64, dtype=torch.float16))      # another dtype
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 1, raising=False)
     assert not replay(y)                                        # another current device
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(launch, "RECORDED", [])
     assert not replay(y)                                        # recording for the AOT checks
+    assert len(kernel.compiled.calls) == calls
+
+
+def test_replay_launch_skips_only_the_class_check(fake_gpu, monkeypatch):
+    """``Replay.launch`` is for a caller that has checked the tensors' classes itself
+    (api._forward): it launches whatever it gets, and still declines where Triton's own
+    path must run (another current device, launch hooks, recording)."""
+    module, kernel = fake_gpu
+    monkeypatch.setattr(launch, "RECORDED", None)
+    launched = launch._launch_compiled(SPEC, module, (3, 2), [torch.zeros(64), 100, 64, 0.125],
+                                       dict(BLOCK=64, EVEN=True))
+    replay = launch.Replay(*launched, 1)
+    y = torch.ones(64)
+    assert replay.launch(y) and kernel.compiled.calls[-1][9] is y
+    calls = len(kernel.compiled.calls)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 1, raising=False)
+    assert not replay.launch(y)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    with monkeypatch.context() as m:
+        m.setattr(triton.knobs.runtime, "launch_enter_hook", lambda metadata: None)
+        assert not replay.launch(y)
+    monkeypatch.setattr(launch, "RECORDED", [])
+    assert not replay.launch(y)
     assert len(kernel.compiled.calls) == calls
 
 
@@ -208,7 +233,8 @@ def test_a_repeated_call_reuses_its_plan():
 
 
 @pytest.mark.parametrize("change", ["shape", "stride", "dtype", "scale", "gqa_heads", "options",
-                                    "mask_object", "mask_lists", "score_mod", "captured_tensor"])
+                                    "mask_object", "mask_lists", "score_mod", "captured_tensor",
+                                    "alignment"])
 def test_anything_the_plan_reads_makes_a_new_plan(change):
     q = torch.randn(1, 2, 40, 32)
     bias = torch.randn(2)
@@ -242,8 +268,11 @@ def test_anything_the_plan_reads_makes_a_new_plan(change):
         args.update(score_mod=lambda score, b, h, q_idx, kv_idx: score * 2)
     elif change == "captured_tensor":
         bias = torch.randn(2, dtype=torch.float64)     # the closure now reads a new tensor
+    elif change == "alignment":
+        args.update(q=_misaligned(q))                  # same shape and strides
     second = _prepare(**args)
     assert second is not first
+    assert second.aligned == (change != "alignment")
     if change == "mask_lists":
         assert second.sparse[0].data_ptr() == mask.kv_num_blocks.data_ptr()
     if change == "captured_tensor":
@@ -262,3 +291,109 @@ def test_a_bad_call_still_raises_after_a_good_one():
     _prepare(q, q, q, scale=1)
     with pytest.raises(InputError, match="scale"):
         _prepare(q, q, q, scale=True)       # equal to 1, and still not a scale
+    _prepare(q, q, q, kernel_options={"BLOCK_M": 16})
+    with pytest.raises(InputError, match="BLOCK_M"):
+        _prepare(q, q, q, kernel_options={"BLOCK_M": 16.0})     # equal to 16, and still not a tile
+
+
+def _misaligned(t):
+    """A copy of ``t`` with the same shape and strides whose base is 4 bytes off 16-byte alignment."""
+    flat = torch.zeros(t.numel() + 8, dtype=t.dtype)
+    shift = (16 - flat.data_ptr() % 16) % 16 // t.element_size() + 4 // t.element_size()
+    out = flat[shift:shift + t.numel()].view(t.shape)
+    out.copy_(t)
+    assert out.stride() == t.stride() and out.data_ptr() % 16 != 0
+    return out
+
+
+_SCALE = 0.5
+
+
+def _scaled(score, b, h, q_idx, kv_idx):
+    return score * _SCALE
+
+
+def _helper(score):
+    return score * _SCALE + 1.0
+
+
+def _via_helper(score, b, h, q_idx, kv_idx):
+    return _helper(score)
+
+
+def test_what_the_memos_key_on_still_gives_the_right_result(helpers, monkeypatch):
+    """Calls that differ from an earlier one only in what the memos (the call's plan, the
+    score_mod's trace) key on: each matches the float64 oracle."""
+    q, k, v = helpers.make_qkv(B=1, H=2, L=40, D=32)
+    bias = torch.randn(2)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+
+    helpers.run_and_check(q, k, v, biased)
+    helpers.run_and_check(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, biased)   # strides
+    helpers.run_and_check(_misaligned(q), k, _misaligned(v), biased)                     # alignment
+    bias = torch.randn(2) * 4                    # the closure's cell now holds a new tensor
+    helpers.run_and_check(q, k, v, biased)
+    bias.mul_(-1)                                # the same tensor, new values: read at run time
+    helpers.run_and_check(q, k, v, biased)
+    for mod in (_scaled, _via_helper):           # a global read directly, and through a helper
+        helpers.run_and_check(q, k, v, mod)
+        monkeypatch.setattr(sys.modules[__name__], "_SCALE", 2.5)
+        helpers.run_and_check(q, k, v, mod)
+        monkeypatch.setattr(sys.modules[__name__], "_SCALE", 0.5)
+
+
+def _fake_forward_launches(kernel, monkeypatch):
+    """Let launch.run hand api._forward a Replay of the fake compiled kernel (as on a GPU);
+    returns the list of the launches that went through launch.run (their inputs)."""
+    monkeypatch.setattr(launch, "RECORDED", None)
+    monkeypatch.setattr(api, "_CALLS", {})
+    launched = []
+
+    def fake_launch(spec, device, inputs):
+        launched.append(inputs)
+        return kernel.compiled, (4, 2), list(inputs), ("tail",), 0
+    monkeypatch.setattr(launch, "_launch", fake_launch)
+    return launched
+
+
+def test_a_repeated_forward_call_replays_with_its_new_tensors(fake_gpu, monkeypatch):
+    module, kernel = fake_gpu
+    launched = _fake_forward_launches(kernel, monkeypatch)
+    q, k, v = (torch.randn(1, 2, 40, 32) for _ in range(3))
+    flexgen.flex_attention(q, k, v)
+    assert len(launched) == 1 and kernel.compiled.calls == []
+    q2 = torch.randn(1, 2, 40, 32)
+    out, lse = flexgen.flex_attention(q2, k, v, return_lse=True)
+    assert len(launched) == 1
+    call = kernel.compiled.calls[-1]
+    assert call[:4] == (4, 2, 1, 1234)
+    assert all(a is b for a, b in zip(call[9:14], (q2, k, v, out, lse)))
+    assert call[14:] == (*launched[0][5:], "tail")      # everything else as at the first launch
+
+    # A misaligned query: another plan, launched anew; a later call like it replays after
+    # the full check of its tensors' classes (its plan only knows that one is misaligned).
+    qm = _misaligned(q)
+    flexgen.flex_attention(qm, k, v)
+    assert len(launched) == 2
+    calls = len(kernel.compiled.calls)
+    flexgen.flex_attention(_misaligned(q2), k, v)
+    assert len(launched) == 2 and len(kernel.compiled.calls) == calls + 1
+
+
+def test_a_forward_replay_checks_the_new_outputs_alignment(fake_gpu, monkeypatch):
+    """The kernel is specialized on the outputs' alignment too: a misaligned allocation
+    (no torch allocator makes one, a custom one might) launches anew."""
+    module, kernel = fake_gpu
+    launched = _fake_forward_launches(kernel, monkeypatch)
+    q, k, v = (torch.randn(1, 2, 40, 32) for _ in range(3))
+    flexgen.flex_attention(q, k, v)
+    empty = torch.empty
+
+    def misaligned_empty(*size, dtype=None, device=None):
+        return _misaligned(empty(*size, dtype=dtype, device=device))
+    with monkeypatch.context() as m:
+        m.setattr(torch, "empty", misaligned_empty)
+        flexgen.flex_attention(q, k, v)
+    assert len(launched) == 2 and kernel.compiled.calls == []

@@ -448,3 +448,65 @@ def test_captured_tensor_on_another_device():  # pragma: no cover
     q, k, v = make_qkv(B=1, H=1, L=32)
     raises_input_error(lambda: flex_attention(q, k, v, score_mod=lambda s, b, h, qi, kv: s + bias[h]),
                        "captured tensor")
+
+
+# --- the trace memo (trace_cached) ----------------------------------------------------------
+
+def test_trace_cached_follows_what_the_mod_reads():
+    """A repeated mod comes back from the memo (trace_cached's shortcut past the fingerprint);
+    anything it reads that changes (a global, a closure cell, its code) traces it again."""
+    from flexgen import trace as T
+
+    scope = {"torch": torch, "SCALE": 2.0}
+    exec("def scaled(score, b, h, q_idx, kv_idx):\n    return torch.tanh(score * SCALE)", scope)
+    mod = scope["scaled"]
+    first = T.trace_cached(mod, "score_mod")
+    assert T.trace_cached(mod, "score_mod") is first and T._RECENT[id(mod)][4] is first
+    scope["SCALE"] = 3.0                                    # a global rebound
+    second = T.trace_cached(mod, "score_mod")
+    assert second is not first and str(second.root) != str(first.root)
+    assert T.trace_cached(mod, "score_mod") is second
+    scope["SCALE"] = 2.0                                    # back: the earlier fingerprint
+    assert T.trace_cached(mod, "score_mod") is first
+
+    def make(x):
+        def closed(score, b, h, q_idx, kv_idx):
+            return score * x
+
+        def rebind(value):
+            nonlocal x
+            x = value
+
+        def drop():
+            nonlocal x
+            del x
+        return closed, rebind, drop
+    closed, rebind, drop = make(2.0)
+    first = T.trace_cached(closed, "score_mod")
+    assert T.trace_cached(closed, "score_mod") is first
+    rebind(5.0)                                             # a closure cell rebound
+    assert T.trace_cached(closed, "score_mod") is not first
+    drop()                                                  # a cell emptied: the mod now fails
+    with pytest.raises(TraceError):
+        T.trace_cached(closed, "score_mod")
+
+    def other(score, b, h, q_idx, kv_idx):
+        return score - 1.0
+    plain = T.trace_cached(other, "score_mod")
+    other.__code__ = (lambda score, b, h, q_idx, kv_idx: score + 1.0).__code__
+    assert T.trace_cached(other, "score_mod") is not plain  # new code, same function object
+
+
+def test_trace_cached_walks_helpers_every_call():
+    """A mod that calls a helper function is fingerprinted in full on every call (the
+    shortcut covers only what a mod reads directly): the helper's globals count too."""
+    from flexgen import trace as T
+
+    scope = {"SCALE": 2.0}
+    exec("def helper(s):\n    return s * SCALE\n"
+         "def mod(score, b, h, q_idx, kv_idx):\n    return helper(score)", scope)
+    mod = scope["mod"]
+    first = T.trace_cached(mod, "score_mod")
+    assert id(mod) not in T._RECENT and T.trace_cached(mod, "score_mod") is first
+    scope["SCALE"] = 4.0
+    assert T.trace_cached(mod, "score_mod") is not first
