@@ -33,12 +33,7 @@ OPTION_KEYS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
 # least TMA_MIN_SCORES score elements (B * Hq * Lq * Lkv, ~150 us of kernel at D=128):
 # its four host descriptors cost ~40 us a call there, more than it gains on a short
 # kernel. USE_TMA=True / False decides either way.
-#
-# DQ_ATOMIC computes dQ inside the dK/dV kernel (atomic adds into float32, a TMA reduce-add
-# on Hopper) instead of a second kernel that recomputes the scores: five matmuls per tile
-# pair instead of seven, but the sums' order, so their last bits, vary from run to run.
-# Off by default; never taken under torch.use_deterministic_algorithms(True).
-FLAG_OPTIONS = {"USE_TMA", "DQ_ATOMIC"}
+FLAG_OPTIONS = {"USE_TMA"}
 TMA_MIN_SCORES = 2 ** 27
 # torch's kernel_options that only tune torch's own kernels: accepted, no effect here.
 TORCH_ONLY_OPTIONS = {"PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS",
@@ -281,15 +276,10 @@ def _backward_plan(call: _Call, query, value, slots) -> backward.BackwardPlan:
     """Derive and print the backward kernels' mods (GradientError here, before any launch)."""
     sparse_q, sparse_kv = (call.block_mask.BLOCK_SIZE if call.block_mask is not None else (128, 128))
     head_dim = max(query.shape[-1], value.shape[-1])
-    dq_atomic = (bool((call.kernel_options or {}).get("DQ_ATOMIC", False))
-                 and not torch.are_deterministic_algorithms_enabled())
-    # The dK/dV kernel that also sums dQ has tiles of its own in the table (where measured).
-    kernels = ("backward.dq", "backward.dkdv:dq_atomic" if dq_atomic else "backward.dkdv")
     dq, dkdv = (_options(kernel, call.kernel_options, head_dim, call.spec.dtype, query.device,
-                         sparse_q, sparse_kv) for kernel in kernels)
+                         sparse_q, sparse_kv) for kernel in ("backward.dq", "backward.dkdv"))
     return backward.plan(call.spec, call.score_traced, call.block_mask, query,
-                         call.mask_buffers, call.scale, slots, dq, dkdv, _tunable_tiles(call),
-                         dq_atomic)
+                         call.mask_buffers, call.scale, slots, dq, dkdv, _tunable_tiles(call))
 
 
 def _forward(call: _Call, query, key, value):

@@ -71,9 +71,8 @@ class BackwardSpec(KernelSpec):
     part: str = "dq"
     score_grad: str | None = None       # code of d mod / d score (None: the mod is score + ...)
     score_grad_const: bool = True       # that derivative is a finite constant
-    scatters: tuple = ()                # Scatter per buffer load that gets a gradient
-    grad_buffers: tuple = ()            # BufferSig per float32 gradient buffer
-    dq_atomic: bool = False             # dkdv: also dQ (and the scatters), by atomic adds
+    scatters: tuple = ()                # Scatter per buffer load that gets a gradient (dq only)
+    grad_buffers: tuple = ()            # BufferSig per float32 gradient buffer (dq only)
 
 
 @dataclass(frozen=True)
@@ -219,19 +218,17 @@ class BackwardPlan:
 
 def plan(forward: KernelSpec, score_traced, block_mask, query, mask_buffers, scale,
          grad_slots: tuple, dq_options: dict, dkdv_options: dict,
-         tune_blocks: tuple | None = None, dq_atomic: bool = False) -> BackwardPlan:
+         tune_blocks: tuple | None = None) -> BackwardPlan:
     """The two backward specs for a forward call (raises GradientError before anything runs).
 
-    Each part has its own tiles (``flexgen.tuning`` gives them per kernel). With
-    ``dq_atomic`` the dkdv kernel also accumulates dQ (``run`` then launches the
-    dq kernel only for calls that need no dK / dV).
+    Each part has its own tiles (``flexgen.tuning`` gives them per kernel).
     """
     memo_key = (forward.key, None if score_traced is None else score_traced.signature, grad_slots,
-                tuple(sorted(dq_options.items())), tuple(sorted(dkdv_options.items())), dq_atomic)
+                tuple(sorted(dq_options.items())), tuple(sorted(dkdv_options.items())))
     specs = _SPECS.get(memo_key)
     if specs is None:
         specs = _SPECS[memo_key] = _specs(forward, lower_grad(score_traced, grad_slots),
-                                          dq_options, dkdv_options, dq_atomic)
+                                          dq_options, dkdv_options)
     dq, dkdv, pointer = specs
     kv_sparse = q_sparse = None
     if block_mask is not None:
@@ -253,8 +250,7 @@ def _tiles(options: dict) -> dict:
                 num_warps=options["num_warps"], num_stages=options["num_stages"])
 
 
-def _specs(forward: KernelSpec, grads: LoweredGrad, dq_options: dict, dkdv_options: dict,
-           dq_atomic: bool) -> tuple:
+def _specs(forward: KernelSpec, grads: LoweredGrad, dq_options: dict, dkdv_options: dict) -> tuple:
     """(dq spec, dkdv spec, None), or with a TMA forward (TMA dq, TMA dkdv, (pointer dq, pointer dkdv))."""
     def both(use_tma):
         common = dict(mask=forward.mask, score_buffers=forward.score_buffers,
@@ -265,14 +261,8 @@ def _specs(forward: KernelSpec, grads: LoweredGrad, dq_options: dict, dkdv_optio
         dq = BackwardSpec("backward", part="dq", score=grads.dq.snippet,
                           score_grad=grads.dq.score_grad, scatters=grads.scatters,
                           grad_buffers=grads.grad_buffers, **_tiles(dq_options), **common)
-        if dq_atomic:   # the dq kernel's mod code: z, its derivatives and the scatters
-            dkdv = BackwardSpec("backward", part="dkdv", score=grads.dq.snippet,
-                                score_grad=grads.dq.score_grad, scatters=grads.scatters,
-                                grad_buffers=grads.grad_buffers, dq_atomic=True,
-                                **_tiles(dkdv_options), **common)
-        else:
-            dkdv = BackwardSpec("backward", part="dkdv", score=grads.dkdv.snippet,
-                                score_grad=grads.dkdv.score_grad, **_tiles(dkdv_options), **common)
+        dkdv = BackwardSpec("backward", part="dkdv", score=grads.dkdv.snippet,
+                            score_grad=grads.dkdv.score_grad, **_tiles(dkdv_options), **common)
         return dq, dkdv
 
     if not forward.use_tma:
@@ -334,25 +324,13 @@ def run(bw: BackwardPlan, query, key, value, out, lse, grad_out, grad_lse, score
                 t.fill_(float("nan"))
     grads = [torch.zeros(score_buffers[i].shape, dtype=torch.float32, device=device)
              for i in bw.grad_slots]
+    common = (query, key, value, out, grad_out, lse, dlse, delta, dq, dk, dv)
     dq_spec, dkdv_spec = _pick(bw, (query, key, value, out, grad_out, dq, dk, dv), query.dtype)
-    if needs_kv and dkdv_spec.dq_atomic:
-        # One kernel: delta first (what the dq kernel would write), then dK, dV and the
-        # float32 sum of dQ (a fresh contiguous tensor: TMA-addressable whenever dq is).
-        delta = (grad_out.to(torch.float32) * out.to(torch.float32)).sum(-1)
-        if dlse is not None:
-            delta -= dlse
-        dq_acc = torch.zeros(query.shape, dtype=torch.float32, device=device)
-        launch.run(dkdv_spec, device, query, key, value, out, grad_out, lse, dlse, delta, dq_acc,
-                   dk, dv, bw.q_sparse, score_buffers, bw.mask_buffers, grads, bw.scale,
-                   tune_blocks=bw.tune_blocks)
-        dq = dq_acc.to(query.dtype)
-    else:
-        common = (query, key, value, out, grad_out, lse, dlse, delta, dq, dk, dv)
-        launch.run(dq_spec, device, *common, bw.kv_sparse, score_buffers, bw.mask_buffers, grads,
+    launch.run(dq_spec, device, *common, bw.kv_sparse, score_buffers, bw.mask_buffers, grads, bw.scale,
+               tune_blocks=bw.tune_blocks)
+    if needs_kv:
+        launch.run(dkdv_spec, device, *common, bw.q_sparse, score_buffers, bw.mask_buffers, (),
                    bw.scale, tune_blocks=bw.tune_blocks)
-        if needs_kv:
-            launch.run(dkdv_spec, device, *common, bw.q_sparse, score_buffers, bw.mask_buffers, (),
-                       bw.scale, tune_blocks=bw.tune_blocks)
     buffer_grads = {slot: g.to(score_buffers[slot].dtype) for slot, g in zip(bw.grad_slots, grads)}
     return dq, dk, dv, buffer_grads
 
