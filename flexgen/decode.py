@@ -175,27 +175,27 @@ def _sm_count(device: torch.device) -> int:
     return _SMS[index]
 
 
-_SPLITS: dict = {}                 # (device, programs, kv_tiles, paged) -> splits
-SHORT_SPLIT_TILES = 32             # contiguous keys: below this many tiles per split, one program per SM
+_SPLITS: dict = {}                 # (device, programs, kv_tiles) -> splits
+SHORT_SPLIT_TILES = 32             # below this many tiles per split, one program per SM
 
 
-def choose_splits(device: torch.device, programs: int, kv_tiles: int, paged: bool = False) -> int:
+def choose_splits(device: torch.device, programs: int, kv_tiles: int) -> int:
     """How many programs share one sequence's keys (split-K).
 
     ``programs`` is the number of (batch, kv head, query tile) work items and
     ``kv_tiles`` the longest sequence in BLOCK_N tiles. On a GPU: as many splits
     as make two programs per SM, no more (a partial second wave costs a whole
-    program's time), except on contiguous keys where that would leave splits
-    shorter than SHORT_SPLIT_TILES tiles: one program per SM then, which then
-    runs a deeper pipeline (``deep_spec``). No split shorter than
-    MIN_TILES_PER_SPLIT tiles, at most MAX_SPLITS. Paged reads, which wait on a
-    page-table load per tile, keep two per SM. (H100, B=1, Hkv=8, CUDA graphs:
+    program's time), except where that would leave splits shorter than
+    SHORT_SPLIT_TILES tiles: one program per SM then, which then runs a deeper
+    pipeline (``deep_spec``). No split shorter than MIN_TILES_PER_SPLIT tiles, at
+    most MAX_SPLITS. Paged keys the same, since their page entries are loaded a
+    tile ahead and their K/V loads pipeline. (H100, B=1, Hkv=8, CUDA graphs:
     contiguous 8k keys, 16 splits 29.7 us, 33 splits 36.4; 128k, 33 splits 207 us,
-    16 splits 227; paged 32k, 32 splits 75 us, 16 splits 85.)
+    16 splits 227; paged 8k, 16 splits 30.2 us, 33 splits 36.9; 32k 69.6 / 75.9.)
     Under the interpreter: CPU_SPLITS for up to 16 work items, else 1.
     Memoized (the SM count is the device's).
     """
-    key = (device, programs, kv_tiles, paged)
+    key = (device, programs, kv_tiles)
     splits = _SPLITS.get(key)
     if splits is None:
         if device.type != "cuda":
@@ -206,7 +206,7 @@ def choose_splits(device: torch.device, programs: int, kv_tiles: int, paged: boo
             cap = max(1, min(MAX_SPLITS, kv_tiles // MIN_TILES_PER_SPLIT))
             sms, programs = _sm_count(device), max(1, programs)
             splits = max(1, 2 * sms // programs)
-            if not paged and kv_tiles < SHORT_SPLIT_TILES * splits:
+            if kv_tiles < SHORT_SPLIT_TILES * splits:
                 splits = max(1, sms // programs)
             splits = min(splits, cap)
         if len(_SPLITS) >= 4096:
@@ -541,8 +541,7 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kv_length
 
     num_splits = st.num_splits
     if num_splits is None:
-        num_splits = choose_splits(device, st.programs, -(-max(1, max_kv_len) // st.block_n),
-                                   paged=page_table is not None)
+        num_splits = choose_splits(device, st.programs, -(-max(1, max_kv_len) // st.block_n))
 
     plan = _Plan()
     plan.spec = st.deep_spec if _alone(device, st.programs, num_splits) else st.spec

@@ -123,17 +123,16 @@ def test_split_counts_agree(num_splits):
 
 
 def test_split_counts_on_a_gpu(monkeypatch):
-    """Two programs per SM, one on contiguous keys where splits would be short; never splits under
+    """Two programs per SM, one where splits would be short (contiguous or paged); never splits under
     MIN_TILES_PER_SPLIT tiles or over MAX_SPLITS (the SM count is faked: no GPU here)."""
     from flexgen import decode
     monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
     monkeypatch.setattr(decode, "_SPLITS", {})
     gpu = torch.device("cuda", 0)
     assert decode.choose_splits(gpu, 8, 128) == 16                  # B=1, Hkv=8, 8k keys / 64
-    assert decode.choose_splits(gpu, 8, 128, paged=True) == 33
     assert decode.choose_splits(gpu, 8, 2048) == 33                 # 128k keys: long splits, 2 per SM
     assert decode.choose_splits(gpu, 8, 6) == 6 // decode.MIN_TILES_PER_SPLIT
-    assert decode.choose_splits(gpu, 1, 4096, paged=True) == decode.MAX_SPLITS
+    assert decode.choose_splits(gpu, 1, 4096) == min(132, decode.MAX_SPLITS)
     assert decode.choose_splits(gpu, 512, 128) == 1                  # B=64: the batch fills the GPU
 
 
