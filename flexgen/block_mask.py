@@ -6,46 +6,104 @@ classifies blocks with interval bounds of the canonical mask expression
 the bounds leave undecided: with torch ops when they are few
 (``flexgen.mask_eval``, no kernel to compile), else with a generated kernel.
 The result is a
-dense ``[B, H, NQ, NKV]`` int8 block state, O(number of blocks), compacted
-into the index lists the attention kernels read (torch's BlockMask layout).
+dense ``[2, B, H, NQ, NKV]`` int32 of partial / full flags, O(number of
+blocks), compacted into the index lists the attention kernels read (torch's
+BlockMask layout).
 """
 from __future__ import annotations
 
+import sympy
 import torch
+from sympy.core.function import UndefinedFunction
 
 from . import bounds, launch, mask_eval
 from .checks import check_buffers
 from .errors import expected
+from .expr import INDEX_SYMBOLS
 from .lowering import buffer_map, lower
 from .spec import KernelSpec
 from .trace import trace, trace_cached
 
 
-def _lists(states: torch.Tensor) -> tuple:
+_INDEX_SET = frozenset(INDEX_SYMBOLS.values())
+
+# Results are int32 views of one allocation, each starting on a 16-byte boundary
+# (kernels specialize on pointer alignment): a multiple of 4 elements apart.
+_ALIGN = 4
+
+# device -> int8 [2, 1, 1, 1, 1] of (PARTIAL, FULL), for from_states
+_STATE_VALUES: dict = {}
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def _is_dense(shape, strides) -> bool:
+    """Whether the strides lay out exactly prod(shape) elements, in some order of the dims."""
+    step = 1
+    for size, stride in sorted((p for p in zip(shape, strides) if p[0] != 1), key=lambda p: p[1]):
+        if stride != step:
+            return False
+        step *= size
+    return True
+
+
+def _lists(hit: torch.Tensor) -> tuple:
     """(partial_num, partial_idx, full_num, full_idx) along the last dim, and along dim -2.
 
-    ``states`` is int8 ``[B, H, NQ, NKV]``. Per row, a list holds the indices
-    of its blocks in the state, in increasing order, then the other indices
-    in increasing order as padding (torch's layout). The "q" lists (per kv
-    block) come out as transposed views, ``[B, H, NKV, NQ]``, as before.
-    Both states are handled by each op (a leading dim of 2), which keeps the
-    number of launches down; the results are separate tensors, each freshly
-    allocated (aligned, as kernels specialize on pointer alignment).
+    ``hit`` is int32 ``[2, B, H, NQ, NKV]``: 1 where a block is partial (``hit[0]``)
+    or full (``hit[1]``), else 0. Per row, a list holds the indices of its
+    blocks in that state, in increasing order, then the other indices in
+    increasing order as padding (torch's layout): a stable descending sort.
+    The "q" lists (per kv block) come out as transposed views, ``[B, H, NKV, NQ]``,
+    as they always have. Both states go through each op (the leading dim of
+    2) and the eight results are views of one int32 allocation, each 16-byte
+    aligned: two sorts, two sums and two copies in all. ``hit`` being int32
+    already, the sums convert nothing.
     """
-    values = torch.arange(bounds.PARTIAL, bounds.FULL + 1, dtype=states.dtype, device=states.device)
-    hit = states == values.view(2, 1, 1, 1, 1)           # [2, B, H, NQ, NKV]
-    # A stable sort of "not a hit" puts the hits first, each group in index order.
-    miss = (~hit).view(torch.int8)
-    kv_order = miss.sort(dim=-1, stable=True).indices
-    q_order = miss.transpose(-1, -2).sort(dim=-1, stable=True).indices
-    # The q lists keep the layout they always had: the transposed view's
-    # strides, or contiguous where that view is contiguous (NQ or NKV of 1).
-    q_format = (torch.contiguous_format if states.transpose(-1, -2).is_contiguous()
-                else torch.preserve_format)
-    kv = [(hit[i].sum(-1, dtype=torch.int32), kv_order[i].to(torch.int32)) for i in (0, 1)]
-    q = [(hit[i].sum(-2, dtype=torch.int32), q_order[i].to(torch.int32, memory_format=q_format))
-         for i in (0, 1)]
-    return (*kv[0], *kv[1]), (*q[0], *q[1])
+    _, B, H, nq, nkv = hit.shape
+    kv_order = hit.sort(dim=-1, descending=True, stable=True).indices
+    q_order = hit.transpose(-1, -2).sort(dim=-1, descending=True, stable=True).indices
+    # The q lists keep the layout they always had (the int32 copy of each sort
+    # result, memory format preserved): the sort's strides, or contiguous where
+    # the transposed view is contiguous (NQ or NKV of 1).
+    q_strides = q_order.stride()[1:]
+    if nq == 1 or nkv == 1 or not _is_dense((B, H, nkv, nq), q_strides):
+        q_strides = _contiguous_strides((B, H, nkv, nq))
+    n_kv, n_q, n_idx = _aligned(B * H * nq), _aligned(B * H * nkv), _aligned(B * H * nq * nkv)
+    buf = torch.empty(2 * (n_kv + n_q + 2 * n_idx), dtype=torch.int32, device=hit.device)
+    kv_num = buf.as_strided((2, B, H, nq), (n_kv, *_contiguous_strides((B, H, nq))), 0)
+    q_num = buf.as_strided((2, B, H, nkv), (n_q, *_contiguous_strides((B, H, nkv))), 2 * n_kv)
+    offset = 2 * (n_kv + n_q)
+    kv_idx = buf.as_strided((2, B, H, nq, nkv), (n_idx, *_contiguous_strides((B, H, nq, nkv))), offset)
+    q_idx = buf.as_strided((2, B, H, nkv, nq), (n_idx, *q_strides), offset + 2 * n_idx)
+    torch.sum(hit, -1, dtype=torch.int32, out=kv_num)
+    torch.sum(hit, -2, dtype=torch.int32, out=q_num)
+    kv_idx.copy_(kv_order)
+    q_idx.copy_(q_order)
+    (kv_num, full_kv_num), (kv_idx, full_kv_idx) = kv_num.unbind(0), kv_idx.unbind(0)
+    (q_num, full_q_num), (q_idx, full_q_idx) = q_num.unbind(0), q_idx.unbind(0)
+    return (kv_num, kv_idx, full_kv_num, full_kv_idx), (q_num, q_idx, full_q_num, full_q_idx)
+
+
+def _hits_of_states(states: torch.Tensor) -> torch.Tensor:
+    """int32 ``[2, B, H, NQ, NKV]``: ``states == PARTIAL`` and ``states == FULL``."""
+    values = _STATE_VALUES.get(states.device)
+    if values is None:
+        values = torch.tensor([bounds.PARTIAL, bounds.FULL], dtype=torch.int8,
+                              device=states.device).view(2, 1, 1, 1, 1)
+        _STATE_VALUES[states.device] = values
+    hit = torch.empty((2, *states.shape), dtype=torch.int32, device=states.device)
+    return torch.eq(states, values, out=hit)
 
 
 class BlockMask:
@@ -91,7 +149,7 @@ class BlockMask:
     @classmethod
     def from_states(cls, states: torch.Tensor, BLOCK_SIZE, mask_mod, seq_lengths) -> "BlockMask":
         """Build the index lists from an int8 ``[B, H, NQ, NKV]`` of EMPTY / PARTIAL / FULL."""
-        kv_lists, q_lists = _lists(states)
+        kv_lists, q_lists = _lists(_hits_of_states(states))
         return cls(*kv_lists, *q_lists, BLOCK_SIZE, mask_mod, seq_lengths)
 
     @property
@@ -216,19 +274,170 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     traced = trace_cached(mask_mod, "mask_mod")
     lowered = lower(traced)
     check_buffers(traced, device, like="the mask")
-    states = bounds.classify(lowered.expr, Bn, Hn, Q_LEN, KV_LEN, q_block, kv_block,
-                             buffer_map(traced), device)
-    undecided = (states == bounds.UNDECIDED).nonzero()          # [N, 4]: b, h, q block, kv block
-    if undecided.shape[0]:
-        index = tuple(undecided.unbind(1))
-        states[index] = _classify_undecided(lowered, traced, undecided, Q_LEN, KV_LEN, q_block, kv_block)
-    mask = BlockMask.from_states(states, (q_block, kv_block), mask_mod, (Q_LEN, KV_LEN))
+    hit = _block_hits(lowered, traced, Bn, Hn, Q_LEN, KV_LEN, q_block, kv_block, device)
+    kv_lists, q_lists = _lists(hit)
+    mask = BlockMask(*kv_lists, *q_lists, (q_block, kv_block), mask_mod, (Q_LEN, KV_LEN))
     mask._traced = traced
     return mask
 
 
-def _classify_undecided(lowered, traced, blocks, Q_LEN, KV_LEN, q_block, kv_block):
-    """int8 [N]: EMPTY / PARTIAL / FULL of each undecided block, looking at its elements.
+def _block_hits(lowered, traced, B, H, Q_LEN, KV_LEN, q_block, kv_block, device) -> torch.Tensor:
+    """int32 ``[2, B, H, NQ, NKV]``: which blocks are partial (``[0]``) and which full (``[1]``).
+
+    Interval bounds (``flexgen.bounds``) decide most blocks full or empty
+    (``_flags``); the others, undecided, are looked at element by element,
+    which decides them exactly, and one indexed write stores the element
+    pass's partial and full rows. No int8 state tensor is built, and no
+    lookup of its values follows.
+    """
+    ev = bounds._Evaluator(B, H, Q_LEN, KV_LEN, q_block, kv_block, buffer_map(traced), device)
+    shape = (B, H, ev.nq, ev.nkv)
+    hit = torch.empty((2, *shape), dtype=torch.int32, device=device)
+    undecided, full = hit.unbind(0)
+    _, empty = _flags(ev, lowered.expr, full)
+    # Undecided: neither full nor empty, i.e. full == empty (never both true;
+    # were they, the block would count as undecided and be looked at).
+    torch.eq(empty.expand(shape), full, out=undecided)
+    blocks = undecided.nonzero()                        # [N, 4]: b, h, q block, kv block
+    if blocks.shape[0]:
+        hit[(slice(None), *blocks.unbind(1))] = _classify_undecided(
+            lowered, traced, blocks, Q_LEN, KV_LEN, q_block, kv_block, B, H)
+    return hit
+
+
+def _op(fn, a, b, out=None):
+    """``fn(a, b)``, or into ``out`` (the mask's full shape, int32): ``a`` broadcast to it."""
+    return fn(a, b) if out is None else fn(a.expand(out.shape), b, out=out)
+
+
+def _cmp(fn, a, b, out=None):
+    """``fn(a, b)`` of bounds where either may be a Python number (an empty side: 0)."""
+    if not isinstance(a, torch.Tensor):
+        a, b, fn = b, a, _MIRRORED[fn]
+    return _op(fn, a, b, out)
+
+
+_MIRRORED = {torch.ge: torch.le, torch.le: torch.ge, torch.gt: torch.lt, torch.lt: torch.gt,
+             torch.eq: torch.eq}
+
+# A relation ``P - N <op> 0`` from the bounds of P ([pl, ph]) and of N ([nl, nh]), the
+# interval of P - N being [pl - nh, ph - nl]: (full, empty) of each block, bounds' own
+# tests (``_Evaluator._relation``'s always and never) with the subtraction moved
+# across the comparison.
+_RELATIONS = {
+    "GreaterThan": lambda pl, ph, nl, nh, out: (_cmp(torch.ge, pl, nh, out), _cmp(torch.lt, ph, nl)),
+    "StrictGreaterThan": lambda pl, ph, nl, nh, out: (_cmp(torch.gt, pl, nh, out), _cmp(torch.le, ph, nl)),
+    "LessThan": lambda pl, ph, nl, nh, out: (_cmp(torch.le, ph, nl, out), _cmp(torch.gt, pl, nh)),
+    "StrictLessThan": lambda pl, ph, nl, nh, out: (_cmp(torch.lt, ph, nl, out), _cmp(torch.ge, pl, nh)),
+    "Equality": lambda pl, ph, nl, nh, out: (
+        _op(torch.bitwise_and, _cmp(torch.eq, pl, nh), _cmp(torch.eq, ph, nl), out),
+        _cmp(torch.gt, pl, nh) | _cmp(torch.lt, ph, nl)),
+    "Unequality": lambda pl, ph, nl, nh, out: (
+        _op(torch.bitwise_or, _cmp(torch.gt, pl, nh), _cmp(torch.lt, ph, nl), out),
+        _cmp(torch.eq, pl, nh) & _cmp(torch.eq, ph, nl)),
+}
+
+# Buffers whose values are exact in float64 whatever is done with them here.
+_EXACT_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32)
+
+
+def _sides(ev, d):
+    """``d`` as P - N + k: (P's terms, N's terms, k), where every bound stays an
+    exact integer in float64, or None.
+
+    Index symbols, loads of integer buffers (up to int32), integer multiples
+    of them and an integer: sums of such bounds are exact, so comparing P
+    with N decides what comparing P - N with 0 decides, without the negation
+    and the sum. Anything else (floats, floor, a buffer of int64) is left
+    whole, as P.
+    """
+    terms = d.args if isinstance(d, sympy.Add) else (d,)
+    if len(terms) > 16:
+        return None
+    pos, neg, k = [], [], 0
+    for t in terms:
+        if t.is_Integer:
+            k += int(t)
+            continue
+        c, x = 1, t
+        if isinstance(t, sympy.Mul) and len(t.args) == 2 and t.args[0].is_Integer:
+            c, x = int(t.args[0]), t.args[1]
+        if not (x in _INDEX_SET or (isinstance(type(x), UndefinedFunction)
+                                   and getattr(ev.buffers.get(x.func.__name__), "dtype", None)
+                                   in _EXACT_DTYPES)):
+            return None
+        if c == 0 or abs(c) > 2 ** 16:
+            return None
+        (pos if c > 0 else neg).append(x if abs(c) == 1 else sympy.Mul(abs(c), x))
+    if abs(k) > 2 ** 40 or not (pos or neg):
+        return None
+    return pos, neg, k
+
+
+def _side_bounds(ev, terms, k):
+    """(lo, hi) of ``sum(terms) + k``: Python numbers for an empty side."""
+    if not terms:
+        return k, k
+    lo, hi = ev(terms[0])
+    for t in terms[1:]:
+        tl, th = ev(t)
+        lo, hi = lo + tl, hi + th
+    return (lo + k, hi + k) if k else (lo, hi)
+
+
+def _relation(ev, e, kind, out):
+    d = e.lhs - e.rhs
+    sides = _sides(ev, d)
+    if sides is None:
+        (pl, ph), (nl, nh) = ev(d), (0, 0)
+    else:
+        pos, neg, k = sides
+        (pl, ph), (nl, nh) = _side_bounds(ev, pos, max(k, 0)), _side_bounds(ev, neg, max(-k, 0))
+    return _RELATIONS[kind](pl, ph, nl, nh, out)
+
+
+def _flags(ev, e, out=None) -> tuple:
+    """(full, empty): bool tensors broadcast to ``[B, H, NQ, NKV]``, whether the
+    boolean mask expression ``e`` is true / false on every position of a block.
+
+    The same decisions as ``bounds.classify`` (its intervals of truth values
+    are 0 or 1: full where lo = 1, empty where hi = 0), kept as flags: a
+    relation is one comparison of the bounds of ``lhs - rhs`` each way, And /
+    Or combine the flags of their terms, Not swaps them; anything else goes
+    through the interval evaluator. Only the comparisons run, not bounds'
+    conversions of them to float intervals and back (nor, for integer
+    terms, the negation and sum of ``lhs - rhs``: see ``_sides``). Never both full and
+    empty (lo <= hi, and nan compares false). With ``out``, full is written
+    there (int32 0 / 1) and returned.
+    """
+    kind = type(e).__name__
+    if kind in ("And", "Or"):
+        terms = [_flags(ev, a) for a in e.args]
+        all_of, any_of = torch.bitwise_and, torch.bitwise_or
+        fold_full, fold_empty = (all_of, any_of) if kind == "And" else (any_of, all_of)
+        return _fold(fold_full, [t[0] for t in terms], out), _fold(fold_empty, [t[1] for t in terms])
+    if kind == "Not":
+        full, empty = _flags(ev, e.args[0])
+        if out is not None:
+            empty = out.copy_(empty.expand(out.shape))
+        return empty, full
+    if kind in _RELATIONS:
+        return _relation(ev, e, kind, out)
+    lo, hi = ev(e)
+    return _op(torch.ge, lo, 1, out), hi <= 0
+
+
+def _fold(fn, flags, out=None):
+    result = flags[0]
+    for i, f in enumerate(flags[1:], 2):
+        result = _op(fn, result, f, out if i == len(flags) else None)
+    if len(flags) == 1 and out is not None:
+        result = out.copy_(result.expand(out.shape))
+    return result
+
+
+def _classify_undecided(lowered, traced, blocks, Q_LEN, KV_LEN, q_block, kv_block, B=None, H=None):
+    """int32 [2, N]: whether each undecided block is partial, and whether it is full.
 
     A few blocks are evaluated with torch ops (``flexgen.mask_eval``), which
     costs no kernel compile; many, or a mask the torch path cannot run, go
@@ -237,16 +446,15 @@ def _classify_undecided(lowered, traced, blocks, Q_LEN, KV_LEN, q_block, kv_bloc
     if blocks.shape[0] * q_block * kv_block <= mask_eval.TORCH_MAX_ELEMENTS:
         try:
             return mask_eval.classify_blocks(lowered, traced.buffers, blocks, Q_LEN, KV_LEN,
-                                             q_block, kv_block)
+                                             q_block, kv_block, hits=True, B=B, H=H)
         except mask_eval.Unsupported:
             pass
     device = blocks.device
-    decided = torch.empty(blocks.shape[0], dtype=torch.int8, device=device)
+    hits = torch.empty(2, blocks.shape[0], dtype=torch.int32, device=device)
     spec = KernelSpec("block_mask", mask=lowered.snippet, mask_buffers=lowered.buffers, num_warps=4)
-    # nonzero's result is column-major: the kernel reads rows of 4 contiguous ints.
-    rows = blocks.to(torch.int32, memory_format=torch.contiguous_format)
-    launch.run(spec, device, rows, decided, traced.buffers, Q_LEN, KV_LEN, q_block, kv_block)
-    return decided
+    # The kernel reads nonzero's int64 rows through their strides (column-major on a GPU).
+    launch.run(spec, device, blocks, hits, traced.buffers, Q_LEN, KV_LEN, q_block, kv_block)
+    return hits
 
 
 def create_mask(mod, B, H, Q_LEN, KV_LEN, device=None) -> torch.Tensor:

@@ -13,11 +13,15 @@ torch stand-in for ``triton.language``. Running the very statements the
 kernel runs is what makes the two paths agree: the same cast points, the same
 floor division and modulo helpers, the same wrapped, bounds-checked loads of
 captured buffers. A snippet that uses anything the stand-in lacks is refused
-(``Unsupported``) and the caller launches the kernel instead.
+(``Unsupported``) and the caller launches the kernel instead. Its operators
+run through functions that fold, on the host, what is known there with the
+kernel's result (b of a one-batch mask is 0, a load's bounds check passes for
+every index in range, ``x * 1`` is ``x``): each op left is a launch on a GPU.
 """
 from __future__ import annotations
 
 import ast
+import operator
 
 import torch
 
@@ -50,9 +54,283 @@ class _Pointer:
         self.flat, self.offset = flat, offset       # None: the base address (no add op)
 
     def __add__(self, offset):
-        return _Pointer(self.flat, offset if self.offset is None else self.offset + offset)
+        return _Pointer(self.flat, offset if self.offset is None else _op_add(self.offset, offset))
 
     __radd__ = __add__
+
+
+# --- values known on the host: folded instead of launched ---------------------------
+#
+# Each op of a snippet is a kernel launch on a GPU, and a mask built per training
+# step pays for every one. Some values are known on the host, so the ops on them
+# can be decided there, with the kernel's result: b (h) is 0 on every lane of a
+# mask built for one batch (head), a bounds check of a load ``q_idx < size`` is
+# true when Q_LEN <= size, and ``x * 1`` (a stride of 1) is ``x``. The snippet's
+# operators and ``.to`` calls are rewritten into the ``_op_*`` functions below
+# (``_check_and_compile``), which fold only what they can fold exactly and
+# otherwise do what the plain operator does.
+
+_INT_RANGE = {torch.int32: (-2 ** 31, 2 ** 31 - 1), torch.int64: (-2 ** 63, 2 ** 63 - 1)}
+
+
+class _Const:
+    """A Triton tensor of ``dtype`` (int32, int64 or bool) holding ``value`` on every lane.
+
+    It promotes like the tensor it stands for; where an operation cannot be
+    folded exactly it becomes a ``[1, 1, 1]`` torch tensor (one op) and the
+    plain operation runs.
+    """
+
+    __slots__ = ("value", "dtype", "device", "_tensor")
+
+    def __init__(self, value, dtype, device):
+        self.value, self.dtype, self.device, self._tensor = value, dtype, device, None
+
+    def __bool__(self):
+        # Never tested for truth by accident: the caller reads .value (a snippet doing it is refused).
+        raise TypeError("the truth value of a folded snippet value")
+
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            self._tensor = torch.full((1, 1, 1), self.value, dtype=self.dtype, device=self.device)
+        return self._tensor
+
+
+def _plain(x):
+    return x.tensor() if type(x) is _Const else x
+
+
+def _lifted(fn):
+    """``fn`` with _Const arguments made tensors first."""
+    def call(*args, **kwargs):
+        return fn(*map(_plain, args), **{k: _plain(v) for k, v in kwargs.items()})
+    call.__name__ = getattr(fn, "__name__", "lifted")
+    return call
+
+
+def _is_int(x) -> bool:
+    """A Python int (a stride, a size, a literal), not a bool."""
+    return type(x) is int
+
+
+def _int_tensor(t) -> bool:
+    return isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_complex() \
+        and t.dtype is not torch.bool
+
+
+def _int_const(x) -> bool:
+    return type(x) is _Const and x.dtype in _INT_RANGE
+
+
+def _fold_int(a, b, fn):
+    """``fn`` of two int consts, or of an int const and a Python int: a _Const, or None.
+
+    The result type is Triton's: int64 if either tensor is, else int32 (a
+    literal is typed int32, so only one that fits folds next to an int32);
+    None where the result would overflow it (the plain op then wraps).
+    """
+    consts = [x for x in (a, b) if type(x) is _Const]
+    if not all(_int_const(x) or _is_int(x) for x in (a, b)):
+        return None
+    dtype = torch.int64 if any(x.dtype is torch.int64 for x in consts) else torch.int32
+    lo, hi = _INT_RANGE[dtype]
+    if any(_is_int(x) and not lo <= x <= hi for x in (a, b)):
+        return None
+    value = fn(a.value if type(a) is _Const else a, b.value if type(b) is _Const else b)
+    return _Const(value, dtype, consts[0].device) if lo <= value <= hi else None
+
+
+def _identity(t, c, neutral) -> bool:
+    """Whether ``t op c`` is ``t`` itself: an integer tensor and the neutral int, of no wider type."""
+    if not _int_tensor(t):
+        return False
+    if _is_int(c):
+        return c == neutral
+    # No wider: the same type, or an int32 constant next to an int64 tensor.
+    return _int_const(c) and c.value == neutral and (c.dtype is t.dtype or t.dtype is torch.int64)
+
+
+def _op_add(a, b):
+    if type(a) is _Pointer or type(b) is _Pointer:
+        return a + b if type(a) is _Pointer else b + a
+    if type(a) is _Const or type(b) is _Const:
+        folded = _fold_int(a, b, lambda x, y: x + y)
+        if folded is not None:
+            return folded
+    if _identity(a, b, 0):
+        return a
+    if _identity(b, a, 0):
+        return b
+    return _plain(a) + _plain(b)
+
+
+def _op_sub(a, b):
+    if type(a) is _Const or type(b) is _Const:
+        folded = _fold_int(a, b, lambda x, y: x - y)
+        if folded is not None:
+            return folded
+    if _identity(a, b, 0):
+        return a
+    return _plain(a) - _plain(b)
+
+
+def _op_mul(a, b):
+    if type(a) is _Const or type(b) is _Const:
+        folded = _fold_int(a, b, lambda x, y: x * y)
+        if folded is not None:
+            return folded
+    if _identity(a, b, 1):
+        return a
+    if _identity(b, a, 1):
+        return b
+    return _plain(a) * _plain(b)
+
+
+def _op_truediv(a, b):
+    return _plain(a) / _plain(b)
+
+
+def _bool_const(x) -> bool:
+    return type(x) is _Const and x.dtype is torch.bool
+
+
+def _bool_tensor(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.dtype is torch.bool
+
+
+def _op_and(a, b):
+    for c, t in ((a, b), (b, a)):
+        if _bool_const(c) and (_bool_const(t) or _bool_tensor(t)):
+            return t if c.value else c          # True & x is x; False & x is False
+    return _plain(a) & _plain(b)
+
+
+def _op_or(a, b):
+    for c, t in ((a, b), (b, a)):
+        if _bool_const(c) and (_bool_const(t) or _bool_tensor(t)):
+            return c if c.value else t          # True | x is True; False | x is x
+    return _plain(a) | _plain(b)
+
+
+def _op_xor(a, b):
+    return _plain(a) ^ _plain(b)
+
+
+def _op_neg(a):
+    return -_plain(a)
+
+
+def _op_pos(a):
+    return +_plain(a)
+
+
+def _op_inv(a):
+    return ~_plain(a)
+
+
+_COMPARE = {"lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge,
+            "eq": operator.eq, "ne": operator.ne}
+# The comparison seen from its right operand: a < b is b > a.
+_MIRROR = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "ne"}
+
+
+def _decide(name, lo, hi, c):
+    """True / False when ``x <op> c`` is that for every integer x in [lo, hi], else None."""
+    if name in ("eq", "ne"):
+        if lo == hi:
+            return (lo == c) == (name == "eq")
+        return None if lo <= c <= hi else name == "ne"
+    fn = _COMPARE[name]
+    at_lo = fn(lo, c)
+    return at_lo if at_lo == fn(hi, c) else None      # monotone in x
+
+
+def _plain_value(x):
+    return x.value if type(x) is _Const else x
+
+
+def _ops(ranges: dict) -> dict:
+    """The ``_op_*`` functions of one snippet run.
+
+    ``ranges``: id(tensor) -> (tensor, lo, hi), the values an index tensor of
+    the run can hold (q_idx, kv_idx, b, h, and their integer casts, added
+    here); the tensor is held so that its id stays its own.
+    """
+    def known(x):
+        r = ranges.get(id(x)) if isinstance(x, torch.Tensor) else None
+        return r if r is not None and r[0] is x else None
+
+    def comparison(name):
+        fn = _COMPARE[name]
+
+        def compare(a, b):
+            if type(a) is _Const or type(b) is _Const:
+                if (_int_const(a) or _is_int(a)) and (_int_const(b) or _is_int(b)):
+                    device = (a if type(a) is _Const else b).device
+                    return _Const(fn(_plain_value(a), _plain_value(b)), torch.bool, device)
+            for x, c, op in ((a, b, name), (b, a, _MIRROR[name])):
+                r = known(x)
+                if r is not None and (_is_int(c) or _int_const(c)):
+                    decided = _decide(op, r[1], r[2], _plain_value(c))
+                    if decided is not None:
+                        return _Const(decided, torch.bool, x.device)
+            return fn(_plain(a), _plain(b))
+
+        return compare
+
+    def to(x, *args, **kwargs):
+        if type(x) is _Const and not kwargs and len(args) == 1 and args[0] in _INT_RANGE \
+                and x.dtype in (torch.int32, torch.int64, torch.bool):
+            lo, hi = _INT_RANGE[args[0]]
+            value = int(x.value)
+            if lo <= value <= hi:
+                return _Const(value, args[0], x.device)
+        y = _plain(x).to(*args, **kwargs)
+        r = known(x)
+        if r is not None and y is not x and y.dtype in _INT_RANGE \
+                and _INT_RANGE[y.dtype][0] <= r[1] and r[2] <= _INT_RANGE[y.dtype][1]:
+            ranges[id(y)] = (y, r[1], r[2])
+        return y
+
+    return {**_PURE_OPS, "_op_to": to, **{f"_op_{name}": comparison(name) for name in _COMPARE}}
+
+
+_PURE_OPS = {"_op_add": _op_add, "_op_sub": _op_sub, "_op_mul": _op_mul, "_op_truediv": _op_truediv,
+             "_op_and": _op_and, "_op_or": _op_or, "_op_xor": _op_xor, "_op_neg": _op_neg,
+             "_op_pos": _op_pos, "_op_inv": _op_inv}
+_BINARY = {ast.Add: "_op_add", ast.Sub: "_op_sub", ast.Mult: "_op_mul", ast.Div: "_op_truediv",
+           ast.BitAnd: "_op_and", ast.BitOr: "_op_or", ast.BitXor: "_op_xor"}
+_UNARY = {ast.USub: "_op_neg", ast.UAdd: "_op_pos", ast.Invert: "_op_inv"}
+_COMPARISONS = {ast.Lt: "_op_lt", ast.LtE: "_op_le", ast.Gt: "_op_gt", ast.GtE: "_op_ge",
+                ast.Eq: "_op_eq", ast.NotEq: "_op_ne"}
+
+
+class _Rewrite(ast.NodeTransformer):
+    """Operators and ``x.to(...)`` of a checked snippet as calls of the ``_op_*`` functions."""
+
+    @staticmethod
+    def _call(name, args, keywords=()):
+        return ast.Call(ast.Name(name, ast.Load()), list(args), list(keywords))
+
+    def visit_BinOp(self, node):
+        self.generic_visit(node)
+        return self._call(_BINARY[type(node.op)], (node.left, node.right))
+
+    def visit_UnaryOp(self, node):
+        self.generic_visit(node)
+        return self._call(_UNARY[type(node.op)], (node.operand,))
+
+    def visit_Compare(self, node):
+        self.generic_visit(node)
+        return self._call(_COMPARISONS[type(node.ops[0])], (node.left, node.comparators[0]))
+
+    def visit_Call(self, node):
+        self.generic_visit(node)
+        f = node.func
+        if isinstance(f, ast.Attribute) and f.attr == "to" and not (
+                isinstance(f.value, ast.Name) and f.value.id == "tl"):
+            return self._call("_op_to", (f.value, *node.args), node.keywords)
+        return node
 
 
 def _pointer(t: torch.Tensor) -> _Pointer:
@@ -95,24 +373,28 @@ class _Lang:
     """
 
     float32, int32, int64 = torch.float32, torch.int32, torch.int64
-    exp, exp2, log, sqrt, rsqrt = torch.exp, torch.exp2, torch.log, torch.sqrt, torch.rsqrt
-    log2, sin, cos, sigmoid = torch.log2, torch.sin, torch.cos, torch.sigmoid
-    abs, floor, ceil = torch.abs, torch.floor, torch.ceil
+    # (a folded constant made a tensor first)
+    exp, exp2, log, sqrt, rsqrt, log2, sin, cos, sigmoid, abs, floor, ceil = (
+        staticmethod(_lifted(f)) for f in (torch.exp, torch.exp2, torch.log, torch.sqrt, torch.rsqrt,
+                                           torch.log2, torch.sin, torch.cos, torch.sigmoid, torch.abs,
+                                           torch.floor, torch.ceil))
 
     def __init__(self, device):
         self.device = device
 
     def _tensor(self, x):
+        if type(x) is _Const:
+            return x.tensor()
         if isinstance(x, torch.Tensor):
             return x
         dtype = torch.bool if isinstance(x, bool) else torch.int32 if isinstance(x, int) else torch.float32
         return torch.full((), x, dtype=dtype, device=self.device)
 
     def full(self, shape, value, dtype):
-        return torch.full(tuple(shape), value, dtype=dtype, device=self.device)
+        return torch.full(tuple(shape), _plain(value), dtype=dtype, device=self.device)
 
     def where(self, cond, a, b):
-        cond = self._tensor(cond)
+        cond, a, b = self._tensor(cond), _plain(a), _plain(b)
         if not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
             a, b = self._tensor(a), self._tensor(b)
         return torch.where(cond, a, b)
@@ -129,17 +411,20 @@ class _Lang:
         return self._tensor(a), self._tensor(b)
 
     def load(self, pointer, mask=None, other=0):
+        if type(mask) is _Const and mask.dtype is torch.bool and mask.value:
+            mask = None             # in bounds on every lane (folded from the index ranges)
+        offset, mask, other = _plain(pointer.offset), _plain(mask), _plain(other)
         if mask is None:
-            return pointer.flat[0 if pointer.offset is None else pointer.offset]
-        offset, mask = torch.broadcast_tensors(pointer.offset, mask)
+            return pointer.flat[0 if offset is None else offset]
+        offset, mask = torch.broadcast_tensors(offset, mask)
         # Out-of-bounds lanes read element 0, then ``other``, as a masked load does.
         return torch.where(mask, pointer.flat[torch.where(mask, offset, 0)], other)
 
 
 # The names a snippet may use besides its own temporaries and buffer arguments.
 _TL_NAMES = frozenset(n for n in dir(_Lang) if not n.startswith("_"))
-_HELPERS = {"_floordiv": _floordiv, "_floormod": _floormod, "_floormod_float": _floormod_float,
-            "_tanh": _tanh, "float": float}
+_HELPERS = {"_floordiv": _lifted(_floordiv), "_floormod": _lifted(_floormod),
+            "_floormod_float": _lifted(_floormod_float), "_tanh": _lifted(_tanh), "float": _lifted(float)}
 _INDEX_NAMES = ("b", "h", "q_idx", "kv_idx")
 # Python syntax whose meaning is the same on torch tensors as on Triton tensors.
 # Not //, % or ** (the printer emits helpers for those) nor `and` / `or` / `if`.
@@ -192,6 +477,7 @@ def _check_and_compile(snippet, buffer_sigs):
             if isinstance(node, ast.Compare) and len(node.ops) > 1:
                 raise Unsupported("a chained comparison")
         known.add(statement.targets[0].id)
+    tree = ast.fix_missing_locations(_Rewrite().visit(tree))
     return compile(tree, "<flexgen mask snippet>", "exec")
 
 
@@ -204,15 +490,31 @@ def supports(lowered) -> bool:
     return True
 
 
+# (device, block) -> int32 arange(block): the in-block offsets, made once per device
+_OFFSETS: dict = {}
+
+
+def _offsets(block: int, device) -> torch.Tensor:
+    key = (device, block)
+    t = _OFFSETS.get(key)
+    if t is None:
+        t = _OFFSETS[key] = torch.arange(block, dtype=torch.int32, device=device)
+    return t
+
+
 def classify_blocks(lowered, buffers, blocks: torch.Tensor, Q_LEN: int, KV_LEN: int,
-                    Q_BLOCK: int, KV_BLOCK: int) -> torch.Tensor:
+                    Q_BLOCK: int, KV_BLOCK: int, hits: bool = False, B=None, H=None) -> torch.Tensor:
     """int8 ``[N]``: EMPTY, PARTIAL or FULL for each block of ``blocks``.
 
     ``blocks`` is ``[N, 4]`` (b, h, q block, kv block), any integer dtype;
     ``buffers`` are the mod's captured tensors in slot order. Work is chunked
     so that no chunk holds more than CHUNK_ELEMENTS positions. Raises
     ``Unsupported`` when the snippet cannot run on torch (the caller then
-    launches the block-mask kernel).
+    launches the block-mask kernel). With ``hits``: int32 ``[2, N]`` instead,
+    whether each block is partial (``[0]``) and whether it is full (``[1]``),
+    what ``create_block_mask`` writes into its block lists. ``B`` / ``H``, the
+    mask's batch and heads where known, are only used to tell when b or h is
+    0 on every block.
     """
     code = _compile(lowered.snippet, lowered.buffers)
     device = blocks.device
@@ -221,39 +523,83 @@ def classify_blocks(lowered, buffers, blocks: torch.Tensor, Q_LEN: int, KV_LEN: 
         scope[f"{sig.name}_ptr"] = _pointer(t)
         for d in range(t.dim()):
             scope[f"{sig.name}_size{d}"], scope[f"{sig.name}_stride{d}"] = t.shape[d], t.stride(d)
-    coords = blocks.to(torch.int32)
     # Positions past Q_LEN / KV_LEN are clamped onto the last valid one: a
     # repeated position changes neither "none kept" nor "all kept", so a
     # ragged block is classified on its valid positions only, as the kernel
     # does with its `valid` mask, and the mod never sees an index past the end.
-    q_offsets = torch.arange(Q_BLOCK, dtype=torch.int32, device=device)
-    kv_offsets = torch.arange(KV_BLOCK, dtype=torch.int32, device=device)
+    # (No clamp where the length is a whole number of blocks.)
+    q_offsets, kv_offsets = _offsets(Q_BLOCK, device), _offsets(KV_BLOCK, device)
+    q_ragged, kv_ragged = Q_LEN % Q_BLOCK != 0, KV_LEN % KV_BLOCK != 0
+    names = code.co_names
+    n_all = blocks.shape[0]
+    # Per block, the largest and the smallest kept byte: any kept, all kept.
+    extremes = torch.empty(2, n_all, dtype=torch.int8, device=device)
+    any_kept, all_kept = extremes.unbind(0)
     per_chunk = max(1, CHUNK_ELEMENTS // (Q_BLOCK * KV_BLOCK))
-    states = []
-    for chunk in coords.split(per_chunk):
+    for start in range(0, n_all, per_chunk):
+        chunk = blocks if n_all <= per_chunk else blocks[start:start + per_chunk]
         n = chunk.shape[0]
-        q_idx = torch.add(q_offsets, chunk[:, 2:3], alpha=Q_BLOCK).clamp_(max=Q_LEN - 1)
-        kv_idx = torch.add(kv_offsets, chunk[:, 3:4], alpha=KV_BLOCK).clamp_(max=KV_LEN - 1)
-        # The kernel's shapes with a leading block dim: q_idx a column, kv_idx a row.
-        scope["q_idx"], scope["kv_idx"] = q_idx.view(n, Q_BLOCK, 1), kv_idx.view(n, 1, KV_BLOCK)
-        scope["b"], scope["h"] = chunk[:, 0].view(n, 1, 1), chunk[:, 1].view(n, 1, 1)
+        # int32 positions, as in the kernel, straight from the int64 block coordinates,
+        # in the kernel's shapes with a leading block dim: q_idx a column, kv_idx a row.
+        pos = torch.empty(n, 2, Q_BLOCK, dtype=torch.int32, device=device) if Q_BLOCK == KV_BLOCK \
+            else torch.empty(n, Q_BLOCK + KV_BLOCK, dtype=torch.int32, device=device)
+        q_idx = pos.as_strided((n, Q_BLOCK, 1), (Q_BLOCK + KV_BLOCK, 1, 1))
+        kv_idx = pos.as_strided((n, 1, KV_BLOCK), (Q_BLOCK + KV_BLOCK, KV_BLOCK, 1), Q_BLOCK)
+        if Q_BLOCK == KV_BLOCK:        # both in one op
+            torch.add(q_offsets, chunk[:, 2:4, None], alpha=Q_BLOCK, out=pos)
+        else:
+            torch.add(q_offsets, chunk[:, 2:3], alpha=Q_BLOCK, out=q_idx.view(n, Q_BLOCK))
+            torch.add(kv_offsets, chunk[:, 3:4], alpha=KV_BLOCK, out=kv_idx.view(n, KV_BLOCK))
+        if q_ragged:
+            q_idx.clamp_(max=Q_LEN - 1)
+        if kv_ragged:
+            kv_idx.clamp_(max=KV_LEN - 1)
+        scope["q_idx"], scope["kv_idx"] = q_idx, kv_idx
+        ranges = {id(q_idx): (q_idx, 0, Q_LEN - 1), id(kv_idx): (kv_idx, 0, KV_LEN - 1)}
+        scope.update(_ops(ranges))
+        # b (h) of a mask built for one batch (head) is 0 on every block: a constant.
+        if ("b" in names and B != 1) or ("h" in names and H != 1):
+            bh = chunk[:, :2].to(torch.int32)
+        for d, name, size in ((0, "b", B), (1, "h", H)):
+            if name not in names:
+                continue
+            if size == 1:
+                scope[name] = _Const(0, torch.int32, device)
+            else:
+                scope[name] = bh[:, d].view(n, 1, 1)
+                if size is not None:
+                    ranges[id(scope[name])] = (scope[name], 0, size - 1)
         try:
             exec(code, scope)
         except (RuntimeError, TypeError, AttributeError, ArithmeticError) as exc:
             # e.g. an integer division by zero, which torch refuses on the CPU.
             raise Unsupported(f"{type(exc).__name__}: {exc}") from exc
         keep = scope["_keep"]
+        if type(keep) is _Const:                    # a bool folds to a constant mask, else refused below
+            keep = bool(keep.value) if keep.dtype is torch.bool else keep.tensor()
         if not isinstance(keep, torch.Tensor):       # a constant mask
             keep = torch.full((1, 1, 1), bool(keep), device=device)
         if keep.dtype != torch.bool:
             raise Unsupported(f"a mask of dtype {keep.dtype}")
-        # One flat row of bytes per block (a copy only for a mask constant along
-        # q_idx or kv_idx): empty when nothing is kept, full when everything is,
-        # so min + max is EMPTY, PARTIAL or FULL. (amin and amax, not aminmax:
-        # the latter is ~100x slower on CPU bytes.)
-        keep = keep.expand(n, Q_BLOCK, KV_BLOCK).reshape(n, Q_BLOCK * KV_BLOCK).view(torch.int8)
-        states.append(keep.amin(1) + keep.amax(1))
-    return states[0] if len(states) == 1 else torch.cat(states)
+        # Bytes reduced over each block's tile as it is (broadcast, no copy, for a
+        # mask constant along q_idx or kv_idx): none kept, or all kept.
+        # (amin and amax, not aminmax: the latter is ~100x slower on CPU bytes.)
+        keep = keep.view(torch.int8)
+        if keep.dim() != 3 or keep.shape[0] != n:
+            keep = keep.expand(n, Q_BLOCK, KV_BLOCK)
+        if n != n_all:
+            torch.amax(keep, (1, 2), out=any_kept[start:start + n])
+            torch.amin(keep, (1, 2), out=all_kept[start:start + n])
+        else:
+            torch.amax(keep, (1, 2), out=any_kept)
+            torch.amin(keep, (1, 2), out=all_kept)
+    if not hits:
+        return torch.add(any_kept, all_kept)        # EMPTY 0, PARTIAL 1, FULL 2
+    out = torch.empty(2, n_all, dtype=torch.int32, device=device)
+    partial, full = out.unbind(0)
+    torch.sub(any_kept, all_kept, out=partial)      # some kept, not all
+    full.copy_(all_kept)
+    return out
 
 
 assert (bounds.EMPTY, bounds.PARTIAL, bounds.FULL) == (0, 1, 2), "classify_blocks adds min and max"

@@ -15,6 +15,7 @@ import textwrap
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 
 import flexgen
 from flexgen import BlockMask, and_masks, create_block_mask, create_mask, or_masks
@@ -233,6 +234,60 @@ def test_lists_layout_and_padding(shape):
             assert got.dtype == want.dtype and got.shape == want.shape, name
             assert got.stride() == want.stride(), (name, got.stride(), want.stride())
             assert torch.equal(got, want), name
+            assert got.data_ptr() % 16 == 0, f"{name} is not 16-byte aligned"
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+@pytest.mark.parametrize("Q_LEN,KV_LEN,BLOCK_SIZE", [(200, 200, 32), (67, 200, 16), (200, 131, (64, 16))])
+def test_flags_decide_what_bounds_decide(name, Q_LEN, KV_LEN, BLOCK_SIZE):
+    """create_block_mask's full / empty flags are bounds.classify's decisions, block for block."""
+    from flexgen import block_mask, bounds
+    from flexgen.lowering import buffer_map, lower
+    from flexgen.trace import trace
+
+    mask_mod, B, H = MASKS[name]
+    Bn, Hn = B or 1, H or 1
+    qb, kvb = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else BLOCK_SIZE
+    traced = trace(mask_mod, "mask_mod")
+    lowered, buffers, cpu = lower(traced), buffer_map(traced), torch.device("cpu")
+    states = bounds.classify(lowered.expr, Bn, Hn, Q_LEN, KV_LEN, qb, kvb, buffers, cpu)
+    ev = bounds._Evaluator(Bn, Hn, Q_LEN, KV_LEN, qb, kvb, buffers, cpu)
+    full = torch.empty(states.shape, dtype=torch.int32)
+    _, empty = block_mask._flags(ev, lowered.expr, full)
+    assert torch.equal(full.bool(), states == bounds.FULL)
+    assert torch.equal(empty.expand(states.shape), states == bounds.EMPTY)
+
+
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """The torch ops a call issues (views and allocations aside: they launch nothing on a GPU)."""
+
+    HOST_ONLY = {"view", "select", "slice", "transpose", "detach", "expand", "unbind", "split", "alias",
+                 "permute", "as_strided", "unsqueeze", "empty", "promote_types"}
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ not in self.HOST_ONLY:
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+# Ops of create_block_mask at 4096 tokens, 128-blocks (2026-11-23; before then 47, 65 and 113).
+# Of the document mask's, 34 are flexgen.bounds checking its b index (4 of them host syncs).
+@pytest.mark.parametrize("name,most", [("causal", 27), ("sliding_window", 42), ("document", 71)])
+def test_mask_build_op_counts(name, most):
+    """A mask built per training step is host-bound on a GPU, where every op is a launch:
+    no more ops than these."""
+    L = 4096
+    mod = {"causal": M.causal_mask, "sliding_window": M.sliding_window(1024),
+           "document": M.document_mask(M.doc_ids_from_lengths([1000, 1, 900, 77, 2118])[None])}[name]
+    B = 1 if name == "document" else None
+    create_block_mask(mod, B, None, L, L, device="cpu")           # traced, lowered, compiled once
+    with _CountOps() as counted:
+        create_block_mask(mod, B, None, L, L, device="cpu")
+    assert len(counted.ops) <= most, counted.ops
 
 
 MEMORY_SCRIPT = textwrap.dedent("""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 
 from flexgen import block_mask, bounds, create_block_mask, launch, mask_eval
 from flexgen import mods as M
@@ -120,9 +121,11 @@ def dense_states(mask_mod, B, H, Q_LEN, KV_LEN, q_block, kv_block):
 
 
 def by_kernel(monkeypatch, lowered, traced, blocks, *sizes):
-    """create_block_mask's kernel path, forced."""
+    """create_block_mask's kernel path, forced, as int8 states (its [partial, full] rows combined)."""
     monkeypatch.setattr(mask_eval, "TORCH_MAX_ELEMENTS", -1)
-    return block_mask._classify_undecided(lowered, traced, blocks, *sizes)
+    partial, full = block_mask._classify_undecided(lowered, traced, blocks, *sizes)
+    assert bool(((partial == 0) | (full == 0)).all()), "a block both partial and full"
+    return (partial + 2 * full).to(torch.int8)
 
 
 @pytest.mark.parametrize("name", list(MODS))
@@ -139,6 +142,45 @@ def test_torch_path_and_kernel_agree(monkeypatch, name):
         assert states.dtype == torch.int8 and states.shape == (blocks.shape[0],)
         assert torch.equal(states, by_kernel(monkeypatch, lowered, traced, blocks, *sizes)), (Q_LEN, KV_LEN)
         assert torch.equal(states, dense_states(oracle, B, H, *sizes)), (Q_LEN, KV_LEN)
+
+
+@pytest.mark.parametrize("name", [n for n, (_, B, H, *_) in MODS.items() if B == 1 or H == 1])
+def test_folded_batch_and_head_give_the_same_states(name):
+    """With B (H) of 1, b (h) is a host constant and the ops on it fold: the same states."""
+    mask_mod, B, H, *_ = MODS[name]
+    traced = trace(mask_mod, "mask_mod")
+    lowered = lower(traced)
+    for Q_LEN, KV_LEN, (q_block, kv_block) in SHAPES:
+        blocks = all_blocks(B, H, Q_LEN, KV_LEN, q_block, kv_block)
+        sizes = (Q_LEN, KV_LEN, q_block, kv_block)
+        plain = mask_eval.classify_blocks(lowered, traced.buffers, blocks, *sizes)
+        folded = mask_eval.classify_blocks(lowered, traced.buffers, blocks, *sizes, B=B, H=H)
+        hits = mask_eval.classify_blocks(lowered, traced.buffers, blocks, *sizes, hits=True, B=B, H=H)
+        assert torch.equal(plain, folded), (Q_LEN, KV_LEN)
+        assert hits.dtype == torch.int32 and hits.shape == (2, blocks.shape[0])
+        assert torch.equal(hits[0] + 2 * hits[1], plain.to(torch.int32)), (Q_LEN, KV_LEN)
+
+
+def test_folding_leaves_only_the_gathers():
+    """A document mask of one batch: its loads need no bounds checks (Q_LEN and KV_LEN fit the
+    buffer) and b is 0, so each load is a cast and a gather, and the mask one comparison."""
+    traced = trace(M.document_mask(DOC), "mask_mod")
+    lowered = lower(traced)
+    blocks = all_blocks(1, 1, 200, 200, 64, 64)
+
+    class Count(torch.utils._python_dispatch.TorchDispatchMode):
+        ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    mask_eval.classify_blocks(lowered, traced.buffers, blocks, 200, 200, 64, 64, hits=True, B=1, H=1)
+    with Count() as counted:
+        mask_eval.classify_blocks(lowered, traced.buffers, blocks, 200, 200, 64, 64, hits=True, B=1, H=1)
+    launched = [op for op in counted.ops if op in ("_to_copy", "index", "eq", "lt", "where", "mul",
+                                                   "bitwise_and", "add", "full")]
+    assert sorted(launched) == ["_to_copy", "_to_copy", "add", "eq", "index", "index"], counted.ops
 
 
 def test_ragged_tail_blocks_ignore_positions_past_the_lengths():
