@@ -248,8 +248,8 @@ def _plan_call(query, key, value, score_traced, block_mask, scale, enable_gqa, k
         mask_buffers = mask_traced.buffers
         sparse = (*block_mask.broadcast_lists("kv", B, Hq), sparse_q, sparse_kv)
 
-    opts = _options(tuning.forward_kernel(score), kernel_options, max(D, Dv), DTYPES[query.dtype],
-                    device, sparse_q, sparse_kv)
+    opts = _options(tuning.forward_kernel(score, block_mask is not None), kernel_options, max(D, Dv),
+                    DTYPES[query.dtype], device, sparse_q, sparse_kv)
     spec = kernel_spec(
         "forward",
         **mod_fields(score, mask),
