@@ -270,11 +270,25 @@ class _Evaluator:
                 blocks = torch.arange(t_lo.shape[d], device=self.device)
                 index.append(blocks.view((1, 1, -1, 1) if is_q else (1, 1, 1, -1)))
                 continue
-            # Any other index must be exact on every block (b, h, a constant).
+            size = tensor.shape[d]
+            # b, h and constants are known on the host: checked here, without the
+            # device comparisons below (each a sync on a GPU).
+            if arg in (INDEX_SYMBOLS["b"], INDEX_SYMBOLS["h"]):
+                n = self.B if arg == INDEX_SYMBOLS["b"] else self.H
+                if n > size:
+                    return self.unknown()
+                index.append(self.symbol(arg)[0].long())
+                continue
+            if arg.is_Integer:
+                i = int(arg) + (size if int(arg) < 0 else 0)
+                if not 0 <= i < size:
+                    return self.unknown()
+                index.append(torch.full((), i, dtype=torch.long, device=self.device))
+                continue
+            # Any other index must be exact on every block.
             lo, hi = self(arg)
             if not torch.equal(lo, hi) or not torch.isfinite(lo).all():
                 return self.unknown()
-            size = tensor.shape[d]
             i = lo.long()
             i = torch.where(i < 0, i + size, i)
             if ((i < 0) | (i >= size)).any():
