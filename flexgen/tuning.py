@@ -34,7 +34,7 @@ import torch
 
 from .spec import KernelSpec, pad_head_dim
 
-KERNELS = ("forward", "forward:transcendental", "forward:plain", "backward.dq", "backward.dkdv")
+KERNELS = ("forward", "forward:transcendental", "forward:dense", "backward.dq", "backward.dkdv")
 # Score mods built on these keep more values live per score element (tanh's
 # temporaries, say): the widest tiles spill for them, so they have rows of their own.
 TRANSCENDENTAL = (sympy.tanh, sympy.exp, sympy.log, sympy.sin, sympy.cos, sympy.tan, sympy.atan,
@@ -67,14 +67,16 @@ DEFAULTS = {"forward": _FORWARD, "backward.dq": _BACKWARD, "backward.dkdv": _BAC
 # cases: full and causal, 16 heads x 16k tokens.
 TUNED: dict = {
     ("forward", "H100", "bfloat16", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),     # 5-11%
-    ("forward", "H100", "bfloat16", 128): dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),  # 3-16%
+    # With a block mask: causal 2.449 -> 2.398 ms with two stages instead of three (tune_h100_20261123_tma.json).
+    ("forward", "H100", "bfloat16", 128): dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
     # tanh softcap: the 128x128 row above was 10% (16k) and 6% (2k x 8) slower than these
     # tiles (results/bench_forward_h100_20261123_{untuned,tuned}.json).
     ("forward:transcendental", "H100", "bfloat16", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8,
                                                               num_stages=3),
-    # No mods at all: 505 -> 527 TF/s at 16k (+4.4%; ALiBi, causal flat or slower with these
-    # tiles), results/bench_forward_h100_20261123_plain_tiles.txt; the same +4% in tune_h100_20261123_tma.json.
-    ("forward:plain", "H100", "bfloat16", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2),
+    # Without a block mask: full 505 -> 527 TF/s at 16k (+4.4%), ALiBi flat (495), against
+    # 128x128 / 8 / 3 (results/bench_forward_h100_20261123_plain_tiles.txt; full +4% in
+    # tune_h100_20261123_tma.json too, where causal was 3% slower with these tiles).
+    ("forward:dense", "H100", "bfloat16", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2),
     ("backward.dq", "H100", "bfloat16", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),     # 0%
     ("backward.dq", "H100", "bfloat16", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),   # 11-13%
     ("backward.dkdv", "H100", "bfloat16", 64): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2),  # 0-3%
@@ -102,12 +104,12 @@ def _is_transcendental(expr) -> bool:
 
 
 def forward_kernel(score, has_block_mask: bool = True) -> str:
-    """The table's name for a forward kernel with this lowered score_mod (or None): "forward",
-    "forward:transcendental" (a score_mod with tanh, exp, ...), or "forward:plain" (no
-    score_mod and no block mask: only full kv tiles, only the softmax)."""
-    if score is None:
-        return "forward" if has_block_mask else "forward:plain"
-    return "forward:transcendental" if _is_transcendental(score.expr) else "forward"
+    """The table's name for a forward kernel with this lowered score_mod (or None):
+    "forward:transcendental" (a score_mod with tanh, exp, ...), else "forward" with a
+    block mask and "forward:dense" without one (every kv tile full: no mask pass)."""
+    if score is not None and _is_transcendental(score.expr):
+        return "forward:transcendental"
+    return "forward" if has_block_mask else "forward:dense"
 
 
 def table_row(kernel: str, head_dim: int, dtype: str, device: torch.device) -> dict:

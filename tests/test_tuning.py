@@ -309,12 +309,14 @@ def test_transcendental_score_mods_use_their_own_row(monkeypatch):
     assert tuning.forward_kernel(lower(trace_cached(softcap, "score_mod"))) == "forward:transcendental"
     assert tuning.forward_kernel(lower(trace_cached(alibi, "score_mod"))) == "forward"
     assert tuning.forward_kernel(None) == "forward"
-    assert tuning.forward_kernel(None, has_block_mask=False) == "forward:plain"
-    assert tuning.forward_kernel(lower(trace_cached(alibi, "score_mod")), has_block_mask=False) == "forward"
-    plain = tuning.table_row("forward:plain", 128, "bfloat16", CUDA)
-    assert plain == tuning.TUNED[("forward:plain", "H100", "bfloat16", 128)] != tuning.table_row(
+    assert tuning.forward_kernel(None, has_block_mask=False) == "forward:dense"
+    assert tuning.forward_kernel(lower(trace_cached(alibi, "score_mod")), has_block_mask=False) == "forward:dense"
+    assert tuning.forward_kernel(lower(trace_cached(softcap, "score_mod")), has_block_mask=False) \
+        == "forward:transcendental"
+    dense = tuning.table_row("forward:dense", 128, "bfloat16", CUDA)
+    assert dense == tuning.TUNED[("forward:dense", "H100", "bfloat16", 128)] != tuning.table_row(
         "forward", 128, "bfloat16", CUDA)
-    assert tuning.table_row("forward:plain", 64, "bfloat16", CUDA) == tuning.table_row("forward", 64, "bfloat16", CUDA)
+    assert tuning.table_row("forward:dense", 64, "bfloat16", CUDA) == tuning.table_row("forward", 64, "bfloat16", CUDA)
     heavy = tuning.table_row("forward:transcendental", 128, "bfloat16", CUDA)
     assert heavy == tuning.TUNED[("forward:transcendental", "H100", "bfloat16", 128)]
     assert heavy != tuning.table_row("forward", 128, "bfloat16", CUDA)
