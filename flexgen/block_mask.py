@@ -12,20 +12,14 @@ BlockMask layout).
 """
 from __future__ import annotations
 
-import sympy
 import torch
-from sympy.core.function import UndefinedFunction
 
 from . import bounds, launch, mask_eval
 from .checks import check_buffers
 from .errors import expected
-from .expr import INDEX_SYMBOLS
 from .lowering import buffer_map, lower
 from .spec import KernelSpec
 from .trace import trace, trace_cached
-
-
-_INDEX_SET = frozenset(INDEX_SYMBOLS.values())
 
 # Results are int32 views of one allocation, each starting on a 16-byte boundary
 # (kernels specialize on pointer alignment): a multiple of 4 elements apart.
@@ -284,17 +278,17 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
 def _block_hits(lowered, traced, B, H, Q_LEN, KV_LEN, q_block, kv_block, device) -> torch.Tensor:
     """int32 ``[2, B, H, NQ, NKV]``: which blocks are partial (``[0]``) and which full (``[1]``).
 
-    Interval bounds (``flexgen.bounds``) decide most blocks full or empty
-    (``_flags``); the others, undecided, are looked at element by element,
+    Interval bounds (``flexgen.bounds.block_flags``) decide most blocks full or
+    empty; the others, undecided, are looked at element by element,
     which decides them exactly, and one indexed write stores the element
     pass's partial and full rows. No int8 state tensor is built, and no
     lookup of its values follows.
     """
-    ev = bounds._Evaluator(B, H, Q_LEN, KV_LEN, q_block, kv_block, buffer_map(traced), device)
-    shape = (B, H, ev.nq, ev.nkv)
+    shape = (B, H, -(-Q_LEN // q_block), -(-KV_LEN // kv_block))
     hit = torch.empty((2, *shape), dtype=torch.int32, device=device)
     undecided, full = hit.unbind(0)
-    _, empty = _flags(ev, lowered.expr, full)
+    _, empty = bounds.block_flags(lowered.expr, B, H, Q_LEN, KV_LEN, q_block, kv_block,
+                                  buffer_map(traced), device, out=full)
     # Undecided: neither full nor empty, i.e. full == empty (never both true;
     # were they, the block would count as undecided and be looked at).
     torch.eq(empty.expand(shape), full, out=undecided)
@@ -303,137 +297,6 @@ def _block_hits(lowered, traced, B, H, Q_LEN, KV_LEN, q_block, kv_block, device)
         hit[(slice(None), *blocks.unbind(1))] = _classify_undecided(
             lowered, traced, blocks, Q_LEN, KV_LEN, q_block, kv_block, B, H)
     return hit
-
-
-def _op(fn, a, b, out=None):
-    """``fn(a, b)``, or into ``out`` (the mask's full shape, int32): ``a`` broadcast to it."""
-    return fn(a, b) if out is None else fn(a.expand(out.shape), b, out=out)
-
-
-def _cmp(fn, a, b, out=None):
-    """``fn(a, b)`` of bounds where either may be a Python number (an empty side: 0)."""
-    if not isinstance(a, torch.Tensor):
-        a, b, fn = b, a, _MIRRORED[fn]
-    return _op(fn, a, b, out)
-
-
-_MIRRORED = {torch.ge: torch.le, torch.le: torch.ge, torch.gt: torch.lt, torch.lt: torch.gt,
-             torch.eq: torch.eq}
-
-# A relation ``P - N <op> 0`` from the bounds of P ([pl, ph]) and of N ([nl, nh]), the
-# interval of P - N being [pl - nh, ph - nl]: (full, empty) of each block, bounds' own
-# tests (``_Evaluator._relation``'s always and never) with the subtraction moved
-# across the comparison.
-_RELATIONS = {
-    "GreaterThan": lambda pl, ph, nl, nh, out: (_cmp(torch.ge, pl, nh, out), _cmp(torch.lt, ph, nl)),
-    "StrictGreaterThan": lambda pl, ph, nl, nh, out: (_cmp(torch.gt, pl, nh, out), _cmp(torch.le, ph, nl)),
-    "LessThan": lambda pl, ph, nl, nh, out: (_cmp(torch.le, ph, nl, out), _cmp(torch.gt, pl, nh)),
-    "StrictLessThan": lambda pl, ph, nl, nh, out: (_cmp(torch.lt, ph, nl, out), _cmp(torch.ge, pl, nh)),
-    "Equality": lambda pl, ph, nl, nh, out: (
-        _op(torch.bitwise_and, _cmp(torch.eq, pl, nh), _cmp(torch.eq, ph, nl), out),
-        _cmp(torch.gt, pl, nh) | _cmp(torch.lt, ph, nl)),
-    "Unequality": lambda pl, ph, nl, nh, out: (
-        _op(torch.bitwise_or, _cmp(torch.gt, pl, nh), _cmp(torch.lt, ph, nl), out),
-        _cmp(torch.eq, pl, nh) & _cmp(torch.eq, ph, nl)),
-}
-
-# Buffers whose values are exact in float64 whatever is done with them here.
-_EXACT_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32)
-
-
-def _sides(ev, d):
-    """``d`` as P - N + k: (P's terms, N's terms, k), where every bound stays an
-    exact integer in float64, or None.
-
-    Index symbols, loads of integer buffers (up to int32), integer multiples
-    of them and an integer: sums of such bounds are exact, so comparing P
-    with N decides what comparing P - N with 0 decides, without the negation
-    and the sum. Anything else (floats, floor, a buffer of int64) is left
-    whole, as P.
-    """
-    terms = d.args if isinstance(d, sympy.Add) else (d,)
-    if len(terms) > 16:
-        return None
-    pos, neg, k = [], [], 0
-    for t in terms:
-        if t.is_Integer:
-            k += int(t)
-            continue
-        c, x = 1, t
-        if isinstance(t, sympy.Mul) and len(t.args) == 2 and t.args[0].is_Integer:
-            c, x = int(t.args[0]), t.args[1]
-        if not (x in _INDEX_SET or (isinstance(type(x), UndefinedFunction)
-                                   and getattr(ev.buffers.get(x.func.__name__), "dtype", None)
-                                   in _EXACT_DTYPES)):
-            return None
-        if c == 0 or abs(c) > 2 ** 16:
-            return None
-        (pos if c > 0 else neg).append(x if abs(c) == 1 else sympy.Mul(abs(c), x))
-    if abs(k) > 2 ** 40 or not (pos or neg):
-        return None
-    return pos, neg, k
-
-
-def _side_bounds(ev, terms, k):
-    """(lo, hi) of ``sum(terms) + k``: Python numbers for an empty side."""
-    if not terms:
-        return k, k
-    lo, hi = ev(terms[0])
-    for t in terms[1:]:
-        tl, th = ev(t)
-        lo, hi = lo + tl, hi + th
-    return (lo + k, hi + k) if k else (lo, hi)
-
-
-def _relation(ev, e, kind, out):
-    d = e.lhs - e.rhs
-    sides = _sides(ev, d)
-    if sides is None:
-        (pl, ph), (nl, nh) = ev(d), (0, 0)
-    else:
-        pos, neg, k = sides
-        (pl, ph), (nl, nh) = _side_bounds(ev, pos, max(k, 0)), _side_bounds(ev, neg, max(-k, 0))
-    return _RELATIONS[kind](pl, ph, nl, nh, out)
-
-
-def _flags(ev, e, out=None) -> tuple:
-    """(full, empty): bool tensors broadcast to ``[B, H, NQ, NKV]``, whether the
-    boolean mask expression ``e`` is true / false on every position of a block.
-
-    The same decisions as ``bounds.classify`` (its intervals of truth values
-    are 0 or 1: full where lo = 1, empty where hi = 0), kept as flags: a
-    relation is one comparison of the bounds of ``lhs - rhs`` each way, And /
-    Or combine the flags of their terms, Not swaps them; anything else goes
-    through the interval evaluator. Only the comparisons run, not bounds'
-    conversions of them to float intervals and back (nor, for integer
-    terms, the negation and sum of ``lhs - rhs``: see ``_sides``). Never both full and
-    empty (lo <= hi, and nan compares false). With ``out``, full is written
-    there (int32 0 / 1) and returned.
-    """
-    kind = type(e).__name__
-    if kind in ("And", "Or"):
-        terms = [_flags(ev, a) for a in e.args]
-        all_of, any_of = torch.bitwise_and, torch.bitwise_or
-        fold_full, fold_empty = (all_of, any_of) if kind == "And" else (any_of, all_of)
-        return _fold(fold_full, [t[0] for t in terms], out), _fold(fold_empty, [t[1] for t in terms])
-    if kind == "Not":
-        full, empty = _flags(ev, e.args[0])
-        if out is not None:
-            empty = out.copy_(empty.expand(out.shape))
-        return empty, full
-    if kind in _RELATIONS:
-        return _relation(ev, e, kind, out)
-    lo, hi = ev(e)
-    return _op(torch.ge, lo, 1, out), hi <= 0
-
-
-def _fold(fn, flags, out=None):
-    result = flags[0]
-    for i, f in enumerate(flags[1:], 2):
-        result = _op(fn, result, f, out if i == len(flags) else None)
-    if len(flags) == 1 and out is not None:
-        result = out.copy_(result.expand(out.shape))
-    return result
 
 
 def _classify_undecided(lowered, traced, blocks, Q_LEN, KV_LEN, q_block, kv_block, B=None, H=None):

@@ -246,8 +246,8 @@ def test_lists_layout_and_padding(shape):
 @pytest.mark.parametrize("name", list(MASKS))
 @pytest.mark.parametrize("Q_LEN,KV_LEN,BLOCK_SIZE", [(200, 200, 32), (67, 200, 16), (200, 131, (64, 16))])
 def test_flags_decide_what_bounds_decide(name, Q_LEN, KV_LEN, BLOCK_SIZE):
-    """create_block_mask's full / empty flags are bounds.classify's decisions, block for block."""
-    from flexgen import block_mask, bounds
+    """bounds.block_flags (what create_block_mask uses) decides what bounds.classify decides."""
+    from flexgen import bounds
     from flexgen.lowering import buffer_map, lower
     from flexgen.trace import trace
 
@@ -257,9 +257,8 @@ def test_flags_decide_what_bounds_decide(name, Q_LEN, KV_LEN, BLOCK_SIZE):
     traced = trace(mask_mod, "mask_mod")
     lowered, buffers, cpu = lower(traced), buffer_map(traced), torch.device("cpu")
     states = bounds.classify(lowered.expr, Bn, Hn, Q_LEN, KV_LEN, qb, kvb, buffers, cpu)
-    ev = bounds._Evaluator(Bn, Hn, Q_LEN, KV_LEN, qb, kvb, buffers, cpu)
     full = torch.empty(states.shape, dtype=torch.int32)
-    _, empty = block_mask._flags(ev, lowered.expr, full)
+    _, empty = bounds.block_flags(lowered.expr, Bn, Hn, Q_LEN, KV_LEN, qb, kvb, buffers, cpu, out=full)
     assert torch.equal(full.bool(), states == bounds.FULL)
     assert torch.equal(empty.expand(states.shape), states == bounds.EMPTY)
 
