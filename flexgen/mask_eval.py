@@ -150,40 +150,32 @@ def _identity(t, c, neutral) -> bool:
     return _int_const(c) and c.value == neutral and (c.dtype is t.dtype or t.dtype is torch.int64)
 
 
+def _arith(a, b, fn, neutral, commutes):
+    """``fn(a, b)``, folded where that is exact: two int constants (``_fold_int``), or an
+    integer tensor and the neutral element (on either side where ``fn`` commutes)."""
+    if type(a) is _Const or type(b) is _Const:
+        folded = _fold_int(a, b, fn)
+        if folded is not None:
+            return folded
+    if _identity(a, b, neutral):
+        return a
+    if commutes and _identity(b, a, neutral):
+        return b
+    return fn(_plain(a), _plain(b))
+
+
 def _op_add(a, b):
     if type(a) is _Pointer or type(b) is _Pointer:
         return a + b if type(a) is _Pointer else b + a
-    if type(a) is _Const or type(b) is _Const:
-        folded = _fold_int(a, b, lambda x, y: x + y)
-        if folded is not None:
-            return folded
-    if _identity(a, b, 0):
-        return a
-    if _identity(b, a, 0):
-        return b
-    return _plain(a) + _plain(b)
+    return _arith(a, b, operator.add, 0, True)
 
 
 def _op_sub(a, b):
-    if type(a) is _Const or type(b) is _Const:
-        folded = _fold_int(a, b, lambda x, y: x - y)
-        if folded is not None:
-            return folded
-    if _identity(a, b, 0):
-        return a
-    return _plain(a) - _plain(b)
+    return _arith(a, b, operator.sub, 0, False)
 
 
 def _op_mul(a, b):
-    if type(a) is _Const or type(b) is _Const:
-        folded = _fold_int(a, b, lambda x, y: x * y)
-        if folded is not None:
-            return folded
-    if _identity(a, b, 1):
-        return a
-    if _identity(b, a, 1):
-        return b
-    return _plain(a) * _plain(b)
+    return _arith(a, b, operator.mul, 1, True)
 
 
 def _op_truediv(a, b):
@@ -541,12 +533,11 @@ def classify_blocks(lowered, buffers, blocks: torch.Tensor, Q_LEN: int, KV_LEN: 
         n = chunk.shape[0]
         # int32 positions, as in the kernel, straight from the int64 block coordinates,
         # in the kernel's shapes with a leading block dim: q_idx a column, kv_idx a row.
-        pos = torch.empty(n, 2, Q_BLOCK, dtype=torch.int32, device=device) if Q_BLOCK == KV_BLOCK \
-            else torch.empty(n, Q_BLOCK + KV_BLOCK, dtype=torch.int32, device=device)
+        pos = torch.empty(n, Q_BLOCK + KV_BLOCK, dtype=torch.int32, device=device)
         q_idx = pos.as_strided((n, Q_BLOCK, 1), (Q_BLOCK + KV_BLOCK, 1, 1))
         kv_idx = pos.as_strided((n, 1, KV_BLOCK), (Q_BLOCK + KV_BLOCK, KV_BLOCK, 1), Q_BLOCK)
         if Q_BLOCK == KV_BLOCK:        # both in one op
-            torch.add(q_offsets, chunk[:, 2:4, None], alpha=Q_BLOCK, out=pos)
+            torch.add(q_offsets, chunk[:, 2:4, None], alpha=Q_BLOCK, out=pos.view(n, 2, Q_BLOCK))
         else:
             torch.add(q_offsets, chunk[:, 2:3], alpha=Q_BLOCK, out=q_idx.view(n, Q_BLOCK))
             torch.add(kv_offsets, chunk[:, 3:4], alpha=KV_BLOCK, out=kv_idx.view(n, KV_BLOCK))
