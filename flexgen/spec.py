@@ -21,7 +21,7 @@ from .codegen import Snippet
 
 TEMPLATE_VERSIONS = {"forward": 2, "block_mask": 1,
                      "decode": 1, "decode_merge": 1, "paged_write": 1,
-                     "backward": 1}
+                     "backward": 2}
 
 
 def pad_head_dim(d: int) -> int:

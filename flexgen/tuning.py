@@ -79,7 +79,9 @@ TUNED: dict = {
     ("forward:dense", "H100", "bfloat16", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2),
     ("backward.dq", "H100", "bfloat16", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),     # 0%
     ("backward.dq", "H100", "bfloat16", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),   # 11-13%
-    ("backward.dkdv", "H100", "bfloat16", 64): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2),  # 0-3%
+    # Once the backward dropped its bounds checks for block-aligned lengths (EVEN), 128x64 ran
+    # 16% slower than 64x64 on full and 6% faster on causal, 16k (results/ab_backward_even_h100_20261123.log).
+    ("backward.dkdv", "H100", "bfloat16", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
     ("backward.dkdv", "H100", "bfloat16", 128): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),  # 0%
 }
 

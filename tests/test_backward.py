@@ -113,6 +113,11 @@ CASES = [
          learned={"temperature": ((), 1.0), "q_bias": ((2, 45), 1.0), "kv_bias": ((48,), 1.0)},
          with_lse=True),
     Case("bf16_causal", mask=lambda: M.causal_mask, dtype=torch.bfloat16, L=41, tol=3e-2),
+    # Lengths that are multiples of the blocks: the kernels drop their bounds checks (EVEN).
+    Case("even_no_mod_gqa", Hq=4, Hkv=2, L=64),
+    Case("even_fully_masked_rows", mask=lambda: M.causal(-7), L=64),
+    Case("even_alibi_learned_slopes", mask=lambda: M.sliding_window(24),
+         score=lambda t: M.alibi(slopes=t["slopes"]), learned={"slopes": ((2,), 0.5)}, L=96),
 ]
 
 
@@ -163,6 +168,8 @@ def test_gradients_match_reference(case):
     got = torch.autograd.grad(loss, leaves)
     if flexgen.launch.RECORDED is not None:
         assert _backward_launches() == 2        # dQ, then dK / dV
+        evens = [cx["EVEN"] for spec, _, cx in flexgen.launch.RECORDED[-2:]]
+        assert evens == [case.id.startswith("even_")] * 2
 
     ref_out, ref_lse = flex_attention_reference(q, k, v, score_mod, mask_mod,
                                                 enable_gqa=case.Hq != case.Hkv, return_lse=True)
@@ -173,7 +180,7 @@ def test_gradients_match_reference(case):
 
     for name, a, b in zip(["dq", "dk", "dv", *learned], got, want):
         _check(f"{case.id} {name}", a, b, case.tol)
-    if case.id in ("fully_masked_rows", "score_mod_kills_rows"):
+    if case.id in ("fully_masked_rows", "score_mod_kills_rows", "even_fully_masked_rows"):
         assert torch.isneginf(lse[:, :, :7]).all()
         assert (got[0][:, :, :7] == 0).all()
 
