@@ -17,6 +17,7 @@ descriptors become TMA copies.
 from __future__ import annotations
 
 import dataclasses
+import zlib
 
 import pytest
 import torch
@@ -126,7 +127,7 @@ CASES = [
 def test_gradients_match_reference_and_pointer_kernels(case):
     Lkv = case.Lkv or case.L
     q, k, v = _leaves(case.B, case.Hq, case.Hkv, case.L, Lkv, case.D, case.Dv or case.D,
-                      case.dtype, seed=hash(case.id) % 2**31, q_scale=case.q_scale)
+                      case.dtype, seed=zlib.crc32(case.id.encode()), q_scale=case.q_scale)
     g = _gen(7)
     learned = {name: torch.randn(shape, generator=g).requires_grad_()
                for name, shape in case.learned.items()}
