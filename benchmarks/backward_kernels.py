@@ -9,7 +9,7 @@ peers (bench_backward.py compares with torch and SDPA). Each case (bf16, H=16,
 B x L = 16k tokens) runs ``torch.autograd.grad`` on one saved forward, 5 times to
 warm up and then 30 times with CUDA events around each kernel launch; the medians
 are printed per kernel. ``--row KERNEL=BLOCK_M,BLOCK_N,WARPS,STAGES`` replaces that
-kernel's row of the tile table (``flexgen.tuning.TUNED``) for this GPU's name.
+kernel's row of the tile table (``flexgen.runtime.tuning.TUNED``) for this GPU's name.
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ os.environ.pop("FLEXGEN_POISON", None)      # timings must not include NaN fills
 import torch  # noqa: E402
 
 import flexgen  # noqa: E402
-from flexgen import backward, tuning  # noqa: E402
+from flexgen.kernels import backward
+from flexgen.runtime import tuning  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_forward import make_mods  # noqa: E402
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
         events.setdefault(getattr(spec, "part", spec.template), []).append((start, end))
         return result
 
-    # flexgen.launch.run launches every kernel (the forward's too, timed under "forward"):
+    # flexgen.runtime.launch.run launches every kernel (the forward's too, timed under "forward"):
     # only the two backward parts are printed.
     backward.launch.run = timed
     for case in args.cases.split(","):

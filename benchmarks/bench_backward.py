@@ -118,7 +118,7 @@ def grads(attn, q, k, v, dout):
 
 def recording_kernels(fn):
     """(fn(), {kernel: path and tiles}) for the flexgen kernels that ``fn`` launched."""
-    from flexgen import launch
+    from flexgen.runtime import launch
     previous, launch.RECORDED = launch.RECORDED, []
     try:
         result = fn()

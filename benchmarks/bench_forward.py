@@ -186,7 +186,8 @@ def make_sets(B, H, L, D, dtype, device, gen):
 def flexgen_kernel(inputs, score_mod, block_mask, options) -> dict | None:
     """The path and tiles of the forward kernel flexgen planned for a call (None if unknown)."""
     try:
-        from flexgen import api, launch
+        from flexgen import api
+        from flexgen.runtime import launch
         spec = api._prepare(*inputs, score_mod, block_mask, None, False, options).spec
         spec = launch._FITS.get(spec.key, spec)      # stepped down to tiles that fit, if it had to
         return dict(use_tma=getattr(spec, "use_tma", False), block_m=spec.block_m,

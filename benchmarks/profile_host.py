@@ -33,8 +33,11 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 import flexgen  # noqa: E402
-from flexgen import api, cache, decode, launch  # noqa: E402
-from flexgen.paged import PagedKVCache  # noqa: E402
+from flexgen import api
+from flexgen.codegen import cache
+from flexgen.kernels import decode
+from flexgen.runtime import launch  # noqa: E402
+from flexgen.kernels.paged import PagedKVCache  # noqa: E402
 
 
 def per_call_us(fn, calls, rounds, sync):

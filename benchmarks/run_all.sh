@@ -10,7 +10,7 @@
 #   0. report the machine and the Python packages flexgen needs (no internet there: nothing is fetched)
 #   1. pip install --no-deps --no-build-isolation --no-index -e .   (falls back to a copied tree on PYTHONPATH)
 #   check     benchmarks/gpu_check.py       correctness at B=2 H=8 L=2048 D=128 against the float32 reference
-#   tune      benchmarks/tune.py            measures rows of flexgen.tuning.TUNED (prints them)
+#   tune      benchmarks/tune.py            measures rows of flexgen.runtime.tuning.TUNED (prints them)
 #   gputests  pytest on the GPU: tests/test_tuning.py and tests/test_backward.py
 #   forward   benchmarks/bench_forward.py   forward speed vs torch.compile(flex_attention) and SDPA
 #   backward  benchmarks/bench_backward.py  backward and forward+backward speed vs the same peers

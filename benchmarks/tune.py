@@ -1,4 +1,4 @@
-"""Measure the rows of flexgen's checked-in tile table (``flexgen.tuning.TUNED``) on this GPU.
+"""Measure the rows of flexgen's checked-in tile table (``flexgen.runtime.tuning.TUNED``) on this GPU.
 
     python benchmarks/tune.py                          # D 64 and 128, bf16, forward and both backward parts
     python benchmarks/tune.py --dims 128 --jobs 8 --budget 300
@@ -38,7 +38,7 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 import flexgen  # noqa: E402
-from flexgen import tuning  # noqa: E402
+from flexgen.runtime import tuning  # noqa: E402
 
 H = 16
 TOKENS = 16384
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
         tuning.candidates = lambda spec, sparse: [dict(BLOCK_M=64, BLOCK_N=n, num_warps=4, num_stages=1)
                                                   for n in (32, 64)]
         tuning.gpu_name = lambda device: "cpu-smoke"
-        from flexgen import launch
+        from flexgen.runtime import launch
 
         def run_tuned(spec, device, *inputs, tune_blocks=None):   # launch.run tunes CUDA launches only
             if tune_blocks is not None:

@@ -156,7 +156,7 @@ Triton interpreter running the kernel; on a GPU it is a fraction of a millisecon
     code("""
 import time
 
-from flexgen.cache import cache_dir
+from flexgen.codegen.cache import cache_dir
 
 start = time.perf_counter()
 flex_attention(q, k, v, score_mod=softcap, block_mask=block_mask)
@@ -403,7 +403,7 @@ import torch
 import flexgen
 from flexgen import create_block_mask, flex_attention
 from flexgen import mods as M
-from flexgen.plot import element_picture
+from flexgen.masks.plot import element_picture
 from flexgen.reference import flex_attention_reference
 
 device = "cuda" if torch.cuda.is_available() else "cpu"

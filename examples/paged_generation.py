@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from flexgen.mods import causal_mask
-from flexgen.paged import PagedKVCache
+from flexgen.kernels.paged import PagedKVCache
 
 VOCAB, D_MODEL, LAYERS, HQ, HKV, HEAD_DIM, FFN = 256, 64, 2, 4, 2, 16, 128
 

@@ -7,10 +7,10 @@ The API mirrors ``torch.nn.attention.flex_attention``::
 __version__ = "0.1.0"
 
 from .errors import FlexgenError, InputError, TraceError  # noqa: E402
-from .block_mask import BlockMask, create_block_mask, create_mask  # noqa: E402
+from .masks.block_mask import BlockMask, create_block_mask, create_mask  # noqa: E402
 from .api import flex_attention, kernel_source  # noqa: E402
-from .backward import GradientError  # noqa: E402
-from .tuning import autotune  # noqa: E402
+from .kernels.backward import GradientError  # noqa: E402
+from .runtime.tuning import autotune  # noqa: E402
 from .mods.combinators import and_masks, noop_mask, or_masks  # noqa: E402
 
 __all__ = [

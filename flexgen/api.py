@@ -13,15 +13,16 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import backward, launch, tuning
-from .block_mask import BlockMask
-from .cache import source
-from .checks import DTYPES, check_buffers, check_heads, check_scale, check_tensor
-from .decode import decode_attention, few_queries
+from .runtime import launch, tuning
+from .kernels import backward
+from .masks.block_mask import BlockMask
+from .codegen.cache import source
+from .runtime.checks import DTYPES, check_buffers, check_heads, check_scale, check_tensor
+from .kernels.decode import decode_attention, few_queries
 from .errors import expected
-from .lowering import lower
-from .spec import KernelSpec, dot_precision, kernel_spec, mod_fields, tma_supported
-from .trace import trace_cached
+from .frontend.lowering import lower
+from .codegen.spec import KernelSpec, dot_precision, kernel_spec, mod_fields, tma_supported
+from .frontend.trace import trace_cached
 
 OPTION_KEYS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
 # Switches (bools), not tiles: USE_TMA loads Q, K, V and stores the output through Hopper
@@ -87,7 +88,7 @@ def _check_block_mask(block_mask, query, key):
 
 
 def _options(kernel: str, kernel_options, head_dim, dtype, device, sparse_q, sparse_kv) -> dict:
-    """The tiles for ``kernel``: the tuning table's (flexgen.tuning), with the caller's options on top."""
+    """The tiles for ``kernel``: the tuning table's (flexgen.runtime.tuning), with the caller's options on top."""
     opts = tuning.options(kernel, head_dim, dtype, device, sparse_q, sparse_kv)
     for k, v in (kernel_options or {}).items():
         if k in TORCH_ONLY_OPTIONS:
@@ -311,7 +312,7 @@ class FlexAttentionFunction(torch.autograd.Function):
     """flex_attention as an autograd Function: gradients for q, k, v and learned captured tensors.
 
     Saves q, k, v, the output and the LSE; the backward kernels recompute the
-    probabilities from the LSE (``flexgen.backward``).
+    probabilities from the LSE (``flexgen.kernels.backward``).
     """
 
     @staticmethod
@@ -364,7 +365,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     # (decode.use_decode_path, whose gradient test is the one just made.)
     if not needs_grad and few_queries(query):
         # A few queries per sequence: the split-K decode kernel reads K/V once per
-        # GQA group and spreads long contexts over the GPU (flexgen.decode). It
+        # GQA group and spreads long contexts over the GPU (flexgen.kernels.decode). It
         # checks its inputs itself: planning the forward kernel first would be wasted.
         if block_mask is not None:
             # decode_attention accepts a mask longer than the queries (they sit at

@@ -12,8 +12,8 @@ Environment (set here, before flexgen is imported):
 - ``FLEXGEN_TEST_AOT=0`` skips the sm_90 compile check (for quick local runs;
   CI keeps it on).
 
-AOT check: every kernel launched while a test runs (``flexgen.launch.RECORDED``)
-is compiled for Hopper with ``flexgen.aot.compile_launch`` right after the test
+AOT check: every kernel launched while a test runs (``flexgen.runtime.launch.RECORDED``)
+is compiled for Hopper with ``flexgen.runtime.aot.compile_launch`` right after the test
 body, once per distinct (spec key, argument types) in the session. A compile
 error fails the test that launched the kernel (and every later test that
 launches the same kernel), whatever the order tests run in and whichever
@@ -38,7 +38,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 import flexgen  # noqa: E402
-from flexgen import aot, launch  # noqa: E402
+from flexgen.runtime import aot
+from flexgen.runtime import launch  # noqa: E402
 from flexgen.reference import flex_attention_reference  # noqa: E402
 
 if not flexgen.api.POISON:
@@ -231,7 +232,7 @@ def run_and_check(q, k, v, score_mod=None, block_mask=None, mask_mod=None, *, sc
 
 def kernel_count() -> int:
     """Kernel modules loaded in this process (one per spec key and mode)."""
-    return len(flexgen.cache._MODULES)
+    return len(flexgen.codegen.cache._MODULES)
 
 
 @pytest.fixture

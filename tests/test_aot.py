@@ -1,7 +1,7 @@
 """The ahead-of-time compile check that conftest runs after every test.
 
-conftest records each launch (``flexgen.launch.RECORDED``) while a test runs
-and compiles every new kernel for sm_90 with ``flexgen.aot.compile_launch``;
+conftest records each launch (``flexgen.runtime.launch.RECORDED``) while a test runs
+and compiles every new kernel for sm_90 with ``flexgen.runtime.aot.compile_launch``;
 a compile error fails the test. These tests check the pieces: recording is on
 inside a test, a real kernel compiles to sm_90 code, a broken one fails the
 check (and keeps failing it), and the memo avoids compiling a kernel twice.
@@ -12,9 +12,15 @@ import dataclasses
 
 import pytest
 
-from flexgen import aot, cache, create_block_mask, flex_attention, launch
+from flexgen import create_block_mask, flex_attention
+
+from flexgen.runtime import aot
+
+from flexgen.codegen import cache
+
+from flexgen.runtime import launch
 from flexgen import mods as M
-from flexgen.codegen import Snippet
+from flexgen.codegen.printer import Snippet
 import conftest
 from conftest import compile_recorded, make_qkv
 

@@ -29,10 +29,10 @@ import torch  # noqa: E402
 
 import flexgen  # noqa: E402
 import flexgen.api  # noqa: E402
-import flexgen.launch  # noqa: E402
+import flexgen.runtime.launch  # noqa: E402
 from flexgen import create_block_mask, flex_attention  # noqa: E402
 from flexgen import mods as M  # noqa: E402
-from flexgen.backward import GradientError  # noqa: E402
+from flexgen.kernels.backward import GradientError  # noqa: E402
 from flexgen.reference import flex_attention_reference  # noqa: E402
 
 
@@ -45,7 +45,7 @@ def poison_outputs(monkeypatch):
 
 def _backward_launches() -> int:
     """Backward kernels launched so far in this test (conftest records every launch)."""
-    recorded = flexgen.launch.RECORDED or []
+    recorded = flexgen.runtime.launch.RECORDED or []
     return sum(spec.template == "backward" for spec, _, _ in recorded)
 
 
@@ -167,9 +167,9 @@ def test_gradients_match_reference(case):
         loss = loss + (torch.where(lse.isinf(), 0.0, lse) * d_lse).sum()
     leaves = [q, k, v, *learned.values()]
     got = torch.autograd.grad(loss, leaves)
-    if flexgen.launch.RECORDED is not None:
+    if flexgen.runtime.launch.RECORDED is not None:
         assert _backward_launches() == 2        # dQ, then dK / dV
-        evens = [cx["EVEN"] for spec, _, cx in flexgen.launch.RECORDED[-2:]]
+        evens = [cx["EVEN"] for spec, _, cx in flexgen.runtime.launch.RECORDED[-2:]]
         assert evens == [case.id.startswith("even_")] * 2
 
     ref_out, ref_lse = flex_attention_reference(q, k, v, score_mod, mask_mod,
@@ -246,7 +246,7 @@ def _floored_bias(score, b, h, q_idx, kv_idx):
 ])
 def test_non_differentiable_mods_raise_before_running(mod, words, monkeypatch):
     launches = []
-    monkeypatch.setattr(flexgen.launch, "run", lambda *a, **k: launches.append(a))
+    monkeypatch.setattr(flexgen.runtime.launch, "run", lambda *a, **k: launches.append(a))
     q = torch.randn(1, 2, 20, 16, requires_grad=True)
     with pytest.raises(GradientError) as info:
         flex_attention(q, q, q, score_mod=mod)

@@ -25,7 +25,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 import flexgen
 import flexgen.api
-from flexgen import aot, create_block_mask, flex_attention, kernel_source, launch
+from flexgen import create_block_mask, flex_attention, kernel_source
+from flexgen.runtime import aot
+from flexgen.runtime import launch
 from flexgen import mods as M
 from flexgen.reference import flex_attention_reference
 import conftest

@@ -114,7 +114,7 @@ def captured_bool(b, h, q_idx, kv_idx):
 
 
 def constant_rows(b, h, q_idx, kv_idx):
-    # Constant indices (decided on the host by flexgen.bounds) next to a position.
+    # Constant indices (decided on the host by flexgen.masks.bounds) next to a position.
     return BIAS_KEEP[1, 2, kv_idx] & BIAS_KEEP[0, 1, q_idx]
 
 
@@ -206,15 +206,15 @@ def test_new_lengths_reuse_the_mask_kernel(monkeypatch):
         return ((q_idx + kv_idx) % 5 != 0) & (abs(q_idx - kv_idx) < 30)
 
     # Undecided blocks go to the kernel, not to torch ops, whatever their number.
-    monkeypatch.setattr(flexgen.mask_eval, "TORCH_MAX_ELEMENTS", -1)
+    monkeypatch.setattr(flexgen.masks.mask_eval, "TORCH_MAX_ELEMENTS", -1)
     launched = []
-    run = flexgen.launch.run
-    monkeypatch.setattr(flexgen.launch, "run", lambda spec, *a, **k: launched.append(spec.key) or
+    run = flexgen.runtime.launch.run
+    monkeypatch.setattr(flexgen.runtime.launch, "run", lambda spec, *a, **k: launched.append(spec.key) or
                         run(spec, *a, **k))
     check_mask(odd_band, None, None, 100, 100, 32)
-    n = len(flexgen.cache._MODULES)
+    n = len(flexgen.codegen.cache._MODULES)
     check_mask(odd_band, None, None, 173, 211, 32)
-    assert len(flexgen.cache._MODULES) == n
+    assert len(flexgen.codegen.cache._MODULES) == n
     assert len(launched) == 2 and launched[0] == launched[1]
 
 
@@ -247,9 +247,9 @@ def test_lists_layout_and_padding(shape):
 @pytest.mark.parametrize("Q_LEN,KV_LEN,BLOCK_SIZE", [(200, 200, 32), (67, 200, 16), (200, 131, (64, 16))])
 def test_flags_decide_what_bounds_decide(name, Q_LEN, KV_LEN, BLOCK_SIZE):
     """bounds.block_flags (what create_block_mask uses) decides what bounds.classify decides."""
-    from flexgen import bounds
-    from flexgen.lowering import buffer_map, lower
-    from flexgen.trace import trace
+    from flexgen.masks import bounds
+    from flexgen.frontend.lowering import buffer_map, lower
+    from flexgen.frontend.trace import trace
 
     mask_mod, B, H = MASKS[name]
     Bn, Hn = B or 1, H or 1
@@ -280,7 +280,7 @@ class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 # Ops of create_block_mask at 4096 tokens, 128-blocks (2026-11-23; before then 47, 65 and 113,
-# and 71 for the document mask while flexgen.bounds checked its b index on the device).
+# and 71 for the document mask while flexgen.masks.bounds checked its b index on the device).
 @pytest.mark.parametrize("name,most", [("causal", 27), ("sliding_window", 42), ("document", 37)])
 def test_mask_build_op_counts(name, most):
     """A mask built per training step is host-bound on a GPU, where every op is a launch:

@@ -2,7 +2,7 @@
 checked against their key before import (a tampered file is never executed).
 
 Each test points ``FLEXGEN_CACHE_DIR`` at a fresh directory and starts from an
-empty in-memory cache (``flexgen.cache._MODULES``, restored afterwards), so
+empty in-memory cache (``flexgen.codegen.cache._MODULES``, restored afterwards), so
 every kernel goes through the disk path.
 """
 from __future__ import annotations
@@ -15,7 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from flexgen import aot, cache, create_block_mask, flex_attention, kernel_source
+from flexgen import create_block_mask, flex_attention, kernel_source
+
+from flexgen.runtime import aot
+
+from flexgen.codegen import cache
 from flexgen import mods as M
 from conftest import make_qkv, run_and_check
 
@@ -122,7 +126,7 @@ def test_valid_file_is_reused_not_rewritten(fresh_cache, monkeypatch):
 
 
 def test_atomic_writes_leave_no_temp_files(fresh_cache, monkeypatch):
-    from flexgen import mask_eval
+    from flexgen.masks import mask_eval
     # The block-mask kernel classifies the undecided blocks (not the torch path), so it is written too.
     monkeypatch.setattr(mask_eval, "TORCH_MAX_ELEMENTS", 0)
     q, k, v = make_qkv(B=1, H=2, L=70, D=32)

@@ -1,4 +1,4 @@
-"""flexgen.decode.decode_attention on contiguous K/V, against the float64 oracle.
+"""flexgen.kernels.decode.decode_attention on contiguous K/V, against the float64 oracle.
 
 Runs on CPU through the Triton interpreter. Every output is poisoned with
 NaN before the launch (FLEXGEN_POISON=1, partial split buffers included), and
@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from flexgen import create_block_mask  # noqa: E402
-from flexgen.decode import decode_attention, decode_kernel_source, use_decode_path  # noqa: E402
+from flexgen.kernels.decode import decode_attention, decode_kernel_source, use_decode_path  # noqa: E402
 from flexgen.errors import FlexgenError, InputError  # noqa: E402
 from flexgen.mods import alibi, causal_mask, sliding_window, tanh_softcap  # noqa: E402
 from flexgen.reference import flex_attention_reference  # noqa: E402
@@ -125,7 +125,7 @@ def test_split_counts_agree(num_splits):
 def test_split_counts_on_a_gpu(monkeypatch):
     """Two programs per SM, one where splits would be short (contiguous or paged); never splits under
     MIN_TILES_PER_SPLIT tiles or over MAX_SPLITS (the SM count is faked: no GPU here)."""
-    from flexgen import decode
+    from flexgen.kernels import decode
     monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
     monkeypatch.setattr(decode, "_SPLITS", {})
     gpu = torch.device("cuda", 0)
@@ -139,7 +139,7 @@ def test_split_counts_on_a_gpu(monkeypatch):
 def test_one_program_per_sm_runs_the_deeper_pipeline(monkeypatch):
     """Three stages where each program has an SM to itself, else two; not past D=128, and a
     caller's num_stages holds (the SM count is faked: no GPU here)."""
-    from flexgen import decode
+    from flexgen.kernels import decode
     monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert [decode._alone(gpu, 8, s) for s in (16, 17)] == [True, False]   # 8 x 16 = 128 <= 132
@@ -283,7 +283,7 @@ def test_repeated_calls_follow_what_changes_between_them():
     same tensor (the split count follows them), a captured tensor updated in place,
     and a bad length after good calls still raises.
     """
-    from flexgen import decode
+    from flexgen.kernels import decode
     B, Hq, Hkv, L = 2, 4, 2, 200
     q, k, v = inputs(B, Hq, Hkv, 1, L, seed=9)
     bias = torch.zeros(Hq, L)
@@ -317,7 +317,8 @@ def test_repeated_calls_follow_what_changes_between_them():
 def test_swapped_tensors_are_the_split_kernels_leading_arguments(paged, splits, offsets):
     """A replayed decode launch swaps in the tensors ``decode._swapped`` lists: they must be
     the split kernel's first arguments, in its module's order, in every layout."""
-    from flexgen import cache, decode
+    from flexgen.codegen import cache
+    from flexgen.kernels import decode
     B, Hq, Hkv, L, P = 2, 4, 2, 64, 16
     q, k, v = inputs(B, Hq, Hkv, 1, L, seed=3)
     lengths = torch.tensor([40, 64], dtype=torch.int32)
@@ -344,7 +345,8 @@ def test_a_repeated_call_replays_its_launches(monkeypatch):
     """Replays stand in for the GPU's (launch.run returns none under the interpreter): a call
     like an earlier one relaunches with its new tensors; anything replay_key holds launches
     anew; a replay that declines (new alignment, say) falls back to a launch."""
-    from flexgen import decode, launch
+    from flexgen.kernels import decode
+    from flexgen.runtime import launch
 
     class FakeReplay:
         def __init__(self, template):
@@ -392,7 +394,7 @@ def test_a_repeated_call_replays_its_launches(monkeypatch):
 
 def test_block_mask_memo_follows_reassigned_fields():
     """A mask's derived visit lists are recomputed when its list fields are reassigned."""
-    from flexgen.decode import _visit_lists
+    from flexgen.kernels.decode import _visit_lists
     mask = create_block_mask(causal_mask, None, None, 64, 256, device="cpu", BLOCK_SIZE=16)
     first = _visit_lists(mask, 1)
     assert _visit_lists(mask, 1) is first
@@ -405,7 +407,8 @@ def test_block_mask_memo_follows_reassigned_fields():
 
 
 def test_static_memo_is_bounded(monkeypatch):
-    from flexgen import decode, launch
+    from flexgen.kernels import decode
+    from flexgen.runtime import launch
     monkeypatch.setattr(launch, "run", lambda *args, **kwargs: None)
     monkeypatch.setattr(decode, "MAX_STATIC", 4)
     for n in range(1, 11):
@@ -428,7 +431,7 @@ def test_every_launched_kernel_compiles_for_sm90():
 def test_flex_attention_hands_its_trace_to_the_decode_path(monkeypatch):
     """flex_attention traced the score_mod to choose the decode path; decode does not trace again."""
     import flexgen
-    from flexgen import decode
+    from flexgen.kernels import decode
 
     q = torch.randn(1, 4, 1, 32)
     k, v = torch.randn(1, 2, 70, 32), torch.randn(1, 2, 70, 32)

@@ -503,6 +503,6 @@ def test_kernel_source_is_what_runs():
     src = kernel_source(q, k, v, score_mod=M.tanh_softcap(7.0))
     assert "@triton.jit" in src and "_tanh(" in src
     flex_attention(q, k, v, score_mod=M.tanh_softcap(7.0))
-    loaded = [m for m in flexgen.cache._MODULES.values() if m.__file__ and
+    loaded = [m for m in flexgen.codegen.cache._MODULES.values() if m.__file__ and
               open(m.__file__).read() == src]
     assert loaded, "the loaded kernel module's file must hold kernel_source's text"

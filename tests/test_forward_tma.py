@@ -17,7 +17,9 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 import flexgen
-from flexgen import aot, create_block_mask, flex_attention, kernel_source, launch
+from flexgen import create_block_mask, flex_attention, kernel_source
+from flexgen.runtime import aot
+from flexgen.runtime import launch
 from flexgen import mods as M
 from flexgen.errors import FlexgenError
 import conftest
@@ -254,7 +256,7 @@ def test_output_rows_not_16_byte_aligned_fall_back():
 
 def test_device_without_tma_falls_back(monkeypatch):
     """No TMA on the device (a GPU before sm_90): the pointer kernel."""
-    monkeypatch.setattr(flexgen.spec, "_has_tma", lambda device: False)
+    monkeypatch.setattr(flexgen.codegen.spec, "_has_tma", lambda device: False)
     q, k, v = make_qkv(B=1, H=3, L=53)
     run_tma(q, k, v, expect_tma=False)
 

@@ -1,5 +1,5 @@
 """The warm host path: the call memo (flexgen.api._prepare) and the direct launch
-(flexgen.launch._launch_compiled, with a stand-in for Triton's kernel).
+(flexgen.runtime.launch._launch_compiled, with a stand-in for Triton's kernel).
 
 The direct launch needs a GPU; these tests pin down its bookkeeping: the first
 launch of a specialization goes through Triton (``KERNEL[grid](...)``), later
@@ -16,9 +16,10 @@ import torch
 import triton
 
 import flexgen
-from flexgen import api, launch
+from flexgen import api
+from flexgen.runtime import launch
 from flexgen.errors import InputError
-from flexgen.spec import KernelSpec
+from flexgen.codegen.spec import KernelSpec
 
 
 class FakeCompiled:

@@ -1,4 +1,4 @@
-"""``flexgen.mask_eval``: undecided mask blocks classified with torch ops.
+"""``flexgen.masks.mask_eval``: undecided mask blocks classified with torch ops.
 
 The torch path runs the mask's printed Triton snippet on torch tensors; the
 generated block-mask kernel runs the same snippet under the interpreter. Both
@@ -13,12 +13,20 @@ import pytest
 import torch
 import torch.utils._python_dispatch
 
-from flexgen import block_mask, bounds, create_block_mask, launch, mask_eval
+from flexgen import create_block_mask
+
+from flexgen.masks import block_mask
+
+from flexgen.masks import bounds
+
+from flexgen.runtime import launch
+
+from flexgen.masks import mask_eval
 from flexgen import mods as M
-from flexgen.codegen import Snippet
-from flexgen.lowering import buffer_map, lower
+from flexgen.codegen.printer import Snippet
+from flexgen.frontend.lowering import buffer_map, lower
 from flexgen.reference import dense_mask
-from flexgen.trace import trace
+from flexgen.frontend.trace import trace
 
 G = torch.Generator().manual_seed(1234)
 

@@ -445,9 +445,9 @@ ALL_SCORES = [c[1] for c in SCORE_CASES] + [M.tanh_softcap(30.0), M.t5_relative_
 
 def _tracer():
     try:
-        return importlib.import_module("flexgen.trace").trace
-    except Exception as exc:  # noqa: BLE001 - flexgen.trace is being written in parallel
-        pytest.skip(f"flexgen.trace not importable: {exc}")
+        return importlib.import_module("flexgen.frontend.trace").trace
+    except Exception as exc:  # noqa: BLE001 - flexgen.frontend.trace is being written in parallel
+        pytest.skip(f"flexgen.frontend.trace not importable: {exc}")
 
 
 @pytest.mark.parametrize("mod", ALL_MASKS, ids=[c[0] for c in MASK_CASES])

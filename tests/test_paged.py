@@ -1,4 +1,4 @@
-"""flexgen.paged.PagedKVCache: writing, page bookkeeping and attention through page tables.
+"""flexgen.kernels.paged.PagedKVCache: writing, page bookkeeping and attention through page tables.
 
 CPU, Triton interpreter. Free pages are shuffled before use, so every page
 table is non-contiguous and out of order. Attention outputs are poisoned
@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from flexgen import create_block_mask  # noqa: E402
 from flexgen.errors import FlexgenError, InputError  # noqa: E402
 from flexgen.mods import alibi, causal_mask, sliding_window, tanh_softcap  # noqa: E402
-from flexgen.paged import CacheFullError, PagedKVCache  # noqa: E402
+from flexgen.kernels.paged import CacheFullError, PagedKVCache  # noqa: E402
 from flexgen.reference import flex_attention_reference  # noqa: E402
 from conftest import assert_module_launches_compile  # noqa: E402
 
@@ -233,7 +233,7 @@ def test_page_table_grows_in_place_between_steps():
 def test_user_page_table_changed_in_place():
     """decode_attention on a caller's int64 page table: converted on every call, never cached,
     so pages moved (and the table rewritten in place) between two calls are followed."""
-    from flexgen.decode import decode_attention
+    from flexgen.kernels.decode import decode_attention
     Hkv, Hq, D = 2, 4, 32
     cache = make_cache(16, num_pages=12, max_batch=2, seed=8)
     track = Tracker(cache)
@@ -260,7 +260,7 @@ def test_user_page_table_changed_in_place():
 
 def test_decode_step_reads_nothing_back(monkeypatch):
     """append + attention on a warm cache never read a tensor back to the host (a GPU sync)."""
-    from flexgen import launch
+    from flexgen.runtime import launch
     Hkv, Hq, D = 2, 4, 32
     cache = make_cache(16, num_pages=16, max_batch=3, seed=9)
     slots = [cache.add_sequence() for _ in range(3)]
@@ -333,7 +333,7 @@ def test_splits_read_only_their_pages(page_size, with_block_mask):
     whose second tile lies past the sequence. Every table entry past a sequence's pages and
     every unused slot of its last page point at NaN keys and values: one read unmasked, and
     the output is NaN."""
-    from flexgen.decode import decode_attention
+    from flexgen.kernels.decode import decode_attention
     Hkv, group, D = 2, 4, 32
     lengths = [3 * page_size + 70, 64, 1]
     B, W = len(lengths), max(-(-n // page_size) for n in lengths)

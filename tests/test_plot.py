@@ -10,7 +10,7 @@ import torch
 import flexgen
 from flexgen import create_block_mask
 from flexgen import mods as M
-from flexgen import plot as P
+from flexgen.masks import plot as P
 
 pytest.importorskip("matplotlib")
 

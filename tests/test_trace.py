@@ -16,7 +16,7 @@ import torch
 
 import flexgen
 from flexgen import FlexgenError, InputError, TraceError, create_block_mask, flex_attention
-from flexgen.trace import trace
+from flexgen.frontend.trace import trace
 from conftest import make_qkv, run_and_check
 
 
@@ -244,14 +244,14 @@ def test_trace_errors_surface_through_the_api():
     def bad_mask(b, h, q_idx, kv_idx):
         return (q_idx > kv_idx) or (kv_idx == 0)
 
-    n = len(flexgen.cache._MODULES)
+    n = len(flexgen.codegen.cache._MODULES)
     with pytest.raises(TraceError, match="bad_score"):
         flex_attention(q, k, v, score_mod=bad_score)
     with pytest.raises(TraceError, match="bad_mask"):
         create_block_mask(bad_mask, 1, 1, 32, 32, device="cpu")
     with pytest.raises(TraceError, match="bad_score"):
         flexgen.kernel_source(q, k, v, score_mod=bad_score)
-    assert len(flexgen.cache._MODULES) == n
+    assert len(flexgen.codegen.cache._MODULES) == n
     assert issubclass(TraceError, FlexgenError)
 
 
@@ -455,7 +455,7 @@ def test_captured_tensor_on_another_device():  # pragma: no cover
 def test_trace_cached_follows_what_the_mod_reads():
     """A repeated mod comes back from the memo (trace_cached's shortcut past the fingerprint);
     anything it reads that changes (a global, a closure cell, its code) traces it again."""
-    from flexgen import trace as T
+    from flexgen.frontend import trace as T
 
     scope = {"torch": torch, "SCALE": 2.0}
     exec("def scaled(score, b, h, q_idx, kv_idx):\n    return torch.tanh(score * SCALE)", scope)
@@ -500,7 +500,7 @@ def test_trace_cached_follows_what_the_mod_reads():
 def test_trace_cached_walks_helpers_every_call():
     """A mod that calls a helper function is fingerprinted in full on every call (the
     shortcut covers only what a mod reads directly): the helper's globals count too."""
-    from flexgen import trace as T
+    from flexgen.frontend import trace as T
 
     scope = {"SCALE": 2.0}
     exec("def helper(s):\n    return s * SCALE\n"

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import flexgen
-from flexgen import tuning
-from flexgen.checks import DTYPES
-from flexgen.spec import KernelSpec
+from flexgen.runtime import tuning
+from flexgen.runtime.checks import DTYPES
+from flexgen.codegen.spec import KernelSpec
 
 from conftest import make_qkv, run_and_check
 
@@ -185,7 +185,7 @@ def test_a_tampered_winner_is_never_launched(fresh_store, fake_clock, config):
 
 
 def test_kernels_that_accumulate_are_not_tuned(fresh_store, fake_clock):
-    from flexgen.backward import BackwardSpec
+    from flexgen.kernels.backward import BackwardSpec
     launch_fn, timed = fake_clock
     accumulating = BackwardSpec("backward", part="dq", scatters=("grad",), qk_head=64, v_head=64,
                                 dtype="bfloat16", block_m=64, block_n=64)
@@ -255,7 +255,7 @@ def test_tiles_that_do_not_fit_step_down(monkeypatch):
     """OutOfResources on a GPU launch retries smaller tiles, and remembers what fit."""
     from triton.runtime.errors import OutOfResources
 
-    from flexgen import launch
+    from flexgen.runtime import launch
     tried = []
 
     def launch_once(spec, device, inputs):
@@ -296,8 +296,8 @@ def test_smaller_tiles_keep_dividing_the_sparse_blocks():
 
 
 def test_transcendental_score_mods_use_their_own_row(monkeypatch):
-    from flexgen.lowering import lower
-    from flexgen.trace import trace_cached
+    from flexgen.frontend.lowering import lower
+    from flexgen.frontend.trace import trace_cached
     monkeypatch.setattr(tuning, "gpu_name", lambda device: "H100")
 
     def softcap(score, b, h, q_idx, kv_idx):

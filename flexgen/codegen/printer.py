@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import sympy
 from sympy.core.function import UndefinedFunction
 
-from .expr import SYMBOLS, BitAnd, BitNot, BitOr, BitXor, Sigmoid, Trunc
+from ..frontend.expr import SYMBOLS, BitAnd, BitNot, BitOr, BitXor, Sigmoid, Trunc
 
 
 @dataclass(frozen=True)

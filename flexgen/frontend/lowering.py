@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import sympy
 
-from .codegen import Snippet, print_snippet
-from .expr import canonical_text, to_sympy
-from .spec import BufferSig
-from .trace import Traced
+from ..codegen.printer import Snippet, print_snippet
+from ..frontend.expr import canonical_text, to_sympy
+from ..codegen.spec import BufferSig
+from ..frontend.trace import Traced
 
 PREFIX = {"score_mod": "s", "mask_mod": "m"}
 

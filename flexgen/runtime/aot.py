@@ -17,7 +17,8 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import mangle_type
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import cache, launch
+from ..runtime import launch
+from ..codegen import cache
 
 HOPPER = GPUTarget("cuda", 90, 32)
 

@@ -6,7 +6,7 @@ import importlib.resources
 
 import jinja2
 
-from .spec import KernelSpec
+from ..codegen.spec import KernelSpec
 
 
 @functools.lru_cache(maxsize=1)

@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from .errors import FlexgenError, expected
+from ..errors import FlexgenError, expected
 
 # RGB colours (colour-blind safe: blue / orange / grey, magenta for errors).
 FULL_KEPT = (0.13, 0.40, 0.67)        # '#2166ac'
@@ -60,7 +60,7 @@ def element_picture(block_mask, max_len: int = 256):
     blocks and of ``wrong`` positions (kept in an empty block or masked in a
     full one). Raises InputError when a length exceeds ``max_len``.
     """
-    from .reference import dense_mask
+    from ..reference import dense_mask
 
     if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
         raise expected("max_len", "a positive int", repr(max_len), "pass e.g. max_len=256")

@@ -2,9 +2,9 @@
 
 ``create_block_mask`` never builds the dense ``[Q_LEN, KV_LEN]`` mask. It
 classifies blocks with interval bounds of the canonical mask expression
-(``flexgen.bounds``), then evaluates mask_mod on the elements of the blocks
+(``flexgen.masks.bounds``), then evaluates mask_mod on the elements of the blocks
 the bounds leave undecided: with torch ops when they are few
-(``flexgen.mask_eval``, no kernel to compile), else with a generated kernel.
+(``flexgen.masks.mask_eval``, no kernel to compile), else with a generated kernel.
 The result is a
 dense ``[2, B, H, NQ, NKV]`` int32 of partial / full flags, O(number of
 blocks), compacted into the index lists the attention kernels read (torch's
@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from . import bounds, launch, mask_eval
-from .checks import check_buffers
-from .errors import expected
-from .lowering import buffer_map, lower
-from .spec import KernelSpec
-from .trace import trace, trace_cached
+from ..runtime import launch
+from . import bounds, mask_eval
+from ..runtime.checks import check_buffers
+from ..errors import expected
+from ..frontend.lowering import buffer_map, lower
+from ..codegen.spec import KernelSpec
+from ..frontend.trace import trace, trace_cached
 
 # Results are int32 views of one allocation, each starting on a 16-byte boundary
 # (kernels specialize on pointer alignment): a multiple of 4 elements apart.
@@ -212,9 +213,9 @@ class BlockMask:
         Full, partial and empty blocks are shaded in distinct colours and the
         title gives the block counts and sparsity; with ``path`` a PNG is
         written too. Evaluates mask_mod densely, so Q_LEN and KV_LEN must be
-        <= ``max_len`` (else InputError). Needs matplotlib; see ``flexgen.plot``.
+        <= ``max_len`` (else InputError). Needs matplotlib; see ``flexgen.masks.plot``.
         """
-        from .plot import plot_block_mask
+        from ..masks.plot import plot_block_mask
         return plot_block_mask(self, path=path, max_len=max_len)
 
     def __repr__(self) -> str:
@@ -302,7 +303,7 @@ def _block_hits(lowered, traced, B, H, Q_LEN, KV_LEN, q_block, kv_block, device)
 def _classify_undecided(lowered, traced, blocks, Q_LEN, KV_LEN, q_block, kv_block, B=None, H=None):
     """int32 [2, N]: whether each undecided block is partial, and whether it is full.
 
-    A few blocks are evaluated with torch ops (``flexgen.mask_eval``), which
+    A few blocks are evaluated with torch ops (``flexgen.masks.mask_eval``), which
     costs no kernel compile; many, or a mask the torch path cannot run, go
     to the generated block-mask kernel.
     """
@@ -325,7 +326,7 @@ def create_mask(mod, B, H, Q_LEN, KV_LEN, device=None) -> torch.Tensor:
 
     This materializes O(Q_LEN * KV_LEN) memory: for inspection and tests.
     """
-    from .reference import dense_mask, index_grids
+    from ..reference import dense_mask, index_grids
     device = torch.device(device) if device is not None else default_device()
     Bn, Hn = B or 1, H or 1
     names = getattr(getattr(mod, "__code__", None), "co_argcount", 4)

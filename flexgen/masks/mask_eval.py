@@ -1,14 +1,14 @@
 """Classify undecided mask blocks with torch ops, without compiling a kernel.
 
 ``create_block_mask`` decides most blocks from interval bounds
-(``flexgen.bounds``); the few it leaves undecided (the diagonal of a causal
+(``flexgen.masks.bounds``); the few it leaves undecided (the diagonal of a causal
 mask, the edges of a window or of documents) need their elements looked at.
 The generated block-mask kernel does that, but compiling it costs ~2 s the
 first time a mod is seen. Here the same elements are evaluated with torch
 ops on ``[n, Q_BLOCK, KV_BLOCK]`` tiles of just those blocks.
 
 What runs is the mod's own Triton snippet (``LoweredMod.snippet``, the lines
-``flexgen.codegen`` printed and the kernel pastes in), executed with a small
+``flexgen.codegen.printer`` printed and the kernel pastes in), executed with a small
 torch stand-in for ``triton.language``. Running the very statements the
 kernel runs is what makes the two paths agree: the same cast points, the same
 floor division and modulo helpers, the same wrapped, bounds-checked loads of

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from .errors import InputError, expected
+from ..errors import InputError, expected
 
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 

@@ -2,7 +2,7 @@
 
 Every launch goes through ``run`` so that the choice of interpreter, the
 optional recording of launches for ahead-of-time compilation checks
-(``flexgen.aot``), autotuned tiles, the step-down of tiles that do not fit
+(``flexgen.runtime.aot``), autotuned tiles, the step-down of tiles that do not fit
 and the warm path's shortcuts live in one place. Those shortcuts: after
 Triton's first launch of a specialization, later launches call the compiled
 kernel's C launcher directly (``_launch_compiled``), and a caller that
@@ -17,10 +17,11 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import cache, tuning
-from .spec import KernelSpec
+from ..runtime import tuning
+from ..codegen import cache
+from ..codegen.spec import KernelSpec
 
-# When a list, every launch appends (spec, args, constexprs): flexgen.aot
+# When a list, every launch appends (spec, args, constexprs): flexgen.runtime.aot
 # compiles each recorded kernel for a GPU target the machine may not have.
 RECORDED: list | None = None
 
@@ -82,7 +83,7 @@ def run(spec: KernelSpec, device: torch.device, *inputs, tune_blocks: tuple | No
 
     ``tune_blocks`` (the sparse block sizes) marks a launch whose tiles the
     caller left to flexgen: on a GPU it may launch an autotuned winner instead
-    (``flexgen.tuning``). With ``replay=n`` it returns a ``Replay`` of this
+    (``flexgen.runtime.tuning``). With ``replay=n`` it returns a ``Replay`` of this
     launch for the same call with new tensors in the first n kernel arguments
     (or None where replaying is not possible).
     """

@@ -12,7 +12,7 @@ takes any query length, which the paged cache uses for chunked prefill):
   writes a normalized partial output and its LSE, and a second small kernel
   (``decode_merge``) combines them;
 - K/V come from contiguous ``[B, Hkv, L, D]`` tensors or, with a page table,
-  from a paged cache ``[pages, page_size, Hkv, D]`` (``flexgen.paged``): the
+  from a paged cache ``[pages, page_size, Hkv, D]`` (``flexgen.kernels.paged``): the
   kernel maps each logical key position to its page; mods only ever see
   logical positions.
 
@@ -37,15 +37,14 @@ import weakref
 
 import torch
 
-from . import launch
-from .block_mask import BlockMask
-from .cache import source
-from .checks import DTYPES, check_buffers, check_heads, check_scale, check_tensor
-from .errors import expected
-from .lowering import lower
-from .spec import dot_precision, kernel_spec, mod_fields
-
-from .trace import trace_cached as _trace
+from ..runtime import launch
+from ..masks.block_mask import BlockMask
+from ..codegen.cache import source
+from ..runtime.checks import DTYPES, check_buffers, check_heads, check_scale, check_tensor
+from ..errors import expected
+from ..frontend.lowering import lower
+from ..codegen.spec import dot_precision, kernel_spec, mod_fields
+from ..frontend.trace import trace_cached as _trace
 
 MAX_DECODE_QUERIES = 16          # use_decode_path's limit on queries per sequence
 CPU_SPLITS = 2                   # splits under the interpreter: small, but the merge always runs

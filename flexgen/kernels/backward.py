@@ -7,7 +7,7 @@ With ``z = score_mod(s)``, ``s = q·k * scale``, ``P = softmax(mask(z))`` and
     dQ = dS K * scale      dK = dSᵀ Q * scale      d buffer[i] = Σ dZ * dz/d buffer[i]
 
 ``dz/ds`` and ``dz/d buffer[i]`` come from sympy (``flexgen.expr.derivative``)
-on the canonical expression, printed by ``flexgen.codegen`` like the mod
+on the canonical expression, printed by ``flexgen.codegen.printer`` like the mod
 itself: softcap, ALiBi, clamps and learned biases differentiate without a
 user-written backward. P is recomputed from the LSE the forward kernel
 saved, never stored.
@@ -39,13 +39,13 @@ from dataclasses import dataclass
 import torch
 from sympy.printing.str import StrPrinter
 
-from . import launch
-from .codegen import Address, Snippet, print_address, print_joint
-from .errors import FlexgenError
-from .expr import INDEX_SYMBOLS, SCORE, NotDifferentiable, derivative, load_applications
-from .lowering import lower
-from .spec import BufferSig, KernelSpec, tma_addressable
-from .trace import Traced
+from ..runtime import launch
+from ..codegen.printer import Address, Snippet, print_address, print_joint
+from ..errors import FlexgenError
+from ..frontend.expr import INDEX_SYMBOLS, SCORE, NotDifferentiable, derivative, load_applications
+from ..frontend.lowering import lower
+from ..codegen.spec import BufferSig, KernelSpec, tma_addressable
+from ..frontend.trace import Traced
 
 
 class GradientError(FlexgenError):
@@ -221,7 +221,7 @@ def plan(forward: KernelSpec, score_traced, block_mask, query, mask_buffers, sca
          tune_blocks: tuple | None = None) -> BackwardPlan:
     """The two backward specs for a forward call (raises GradientError before anything runs).
 
-    Each part has its own tiles (``flexgen.tuning`` gives them per kernel).
+    Each part has its own tiles (``flexgen.runtime.tuning`` gives them per kernel).
     """
     memo_key = (forward.key, None if score_traced is None else score_traced.signature, grad_slots,
                 tuple(sorted(dq_options.items())), tuple(sorted(dkdv_options.items())))
@@ -305,7 +305,7 @@ def run(bw: BackwardPlan, query, key, value, out, lse, grad_out, grad_lse, score
     backward specs, a call whose tensors TMA cannot address (a grad_out that is expanded,
     sliced or misaligned, say) runs the pointer kernels instead.
     """
-    from .api import POISON       # the switch lives with the forward's
+    from ..api import POISON       # the switch lives with the forward's
     device = query.device
     B, H, Q_LEN, _ = query.shape
     if grad_out is None:

@@ -27,7 +27,7 @@ import sympy
 import torch
 from sympy.core.function import UndefinedFunction
 
-from .expr import INDEX_SYMBOLS, is_bool
+from ..frontend.expr import INDEX_SYMBOLS, is_bool
 
 EMPTY, PARTIAL, FULL, UNDECIDED = 0, 1, 2, 3
 INF = math.inf

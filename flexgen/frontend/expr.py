@@ -3,7 +3,7 @@
 Why sympy: two spellings of one mod (``q_idx >= kv_idx`` and
 ``kv_idx <= q_idx``; ``score * 1.0 + 0`` and ``score``) become the same
 expression, so they share one compiled kernel; the same expression feeds the
-block classifier (``flexgen.bounds``) and the printer (``flexgen.codegen``).
+block classifier (``flexgen.masks.bounds``) and the printer (``flexgen.codegen.printer``).
 This runs once per new mod, never per call.
 
 Conventions of the canonical form:
@@ -22,7 +22,7 @@ import sympy
 import torch
 from sympy.core.function import UndefinedFunction
 
-from .trace import Node, Traced
+from ..frontend.trace import Node, Traced
 
 SCORE = sympy.Symbol("score", real=True)
 INDEX_SYMBOLS = {n: sympy.Symbol(n, integer=True, nonnegative=True)

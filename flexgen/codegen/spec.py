@@ -16,8 +16,8 @@ from dataclasses import astuple, dataclass
 import torch
 import triton
 
-from . import __version__
-from .codegen import Snippet
+from .. import __version__
+from ..codegen.printer import Snippet
 
 TEMPLATE_VERSIONS = {"forward": 2, "block_mask": 1,
                      "decode": 1, "decode_merge": 1, "paged_write": 1,

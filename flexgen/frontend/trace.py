@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import TraceError
+from ..errors import TraceError
 
 SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
 MASK_ARGS = ("b", "h", "q_idx", "kv_idx")

@@ -19,7 +19,7 @@ cached, not ``max_batch * max_len``::
 
 Mods see logical positions: ``kv_idx`` counts the tokens of the sequence and
 the queries passed to ``attention`` are its last tokens (``q_idx =
-length - q_len + i``). The kernel (``flexgen.decode``) maps each logical key
+length - q_len + i``). The kernel (``flexgen.kernels.decode``) maps each logical key
 position to its page itself.
 
 Block masks are used directly with logical block indices, not converted to
@@ -38,11 +38,11 @@ from __future__ import annotations
 
 import torch
 
-from . import launch
-from .block_mask import create_block_mask
-from .decode import DTYPES, decode_attention
-from .spec import kernel_spec
-from .errors import InputError, expected
+from ..runtime import launch
+from ..masks.block_mask import create_block_mask
+from ..kernels.decode import DTYPES, decode_attention
+from ..codegen.spec import kernel_spec
+from ..errors import InputError, expected
 
 
 class CacheFullError(InputError):

@@ -19,9 +19,9 @@ import tempfile
 import threading
 from pathlib import Path
 
-from .errors import FlexgenError
-from .render import render
-from .spec import KernelSpec
+from ..errors import FlexgenError
+from ..codegen.render import render
+from ..codegen.spec import KernelSpec
 
 _MODULES: dict = {}          # (key, interpret) -> loaded module
 _LOCK = threading.Lock()

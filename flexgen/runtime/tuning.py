@@ -32,7 +32,7 @@ import threading
 import sympy
 import torch
 
-from .spec import KernelSpec, pad_head_dim
+from ..codegen.spec import KernelSpec, pad_head_dim
 
 KERNELS = ("forward", "forward:transcendental", "forward:dense", "backward.dq", "backward.dkdv")
 # Score mods built on these keep more values live per score element (tanh's
@@ -207,7 +207,7 @@ def _valid(config, sparse) -> bool:
 
 
 def _store_path():
-    from .cache import _private_dir
+    from ..codegen.cache import _private_dir
     return _private_dir() / STORE_NAME
 
 
@@ -226,7 +226,7 @@ def _load_store() -> dict:
 
 
 def _save_winner(key: str, entry: dict) -> None:
-    from .cache import _write_atomically
+    from ..codegen.cache import _write_atomically
     with _LOCK:
         stored = _load_store()
         stored[key] = entry

@@ -1,0 +1,1 @@
+"""Block-sparse masks: the BlockMask, its builder, interval bounds, element evaluation, pictures."""

@@ -1,0 +1,1 @@
+"""Running kernels: input checks, tile tables and autotuning, launching, ahead-of-time compiles."""
