@@ -6,15 +6,29 @@ The API mirrors ``torch.nn.attention.flex_attention``::
 """
 __version__ = "0.1.0"
 
-from .errors import FlexgenError, InputError, TraceError  # noqa: E402
+from .errors import FlexgenError, GradientError, InputError, TraceError  # noqa: E402
 from .masks.block_mask import BlockMask, create_block_mask, create_mask  # noqa: E402
-from .api import flex_attention, kernel_source  # noqa: E402
-from .kernels.backward import GradientError  # noqa: E402
+from .api import AuxOutput, AuxRequest, decode_attention, flex_attention, kernel_source  # noqa: E402
+from .kernels.paged import CacheFullError, PagedKVCache  # noqa: E402
 from .runtime.tuning import autotune  # noqa: E402
 from .mods.combinators import and_masks, noop_mask, or_masks  # noqa: E402
 
+
+def clear_caches() -> None:
+    """Forget every memoized trace, lowered mod, plan, spec and loaded kernel module of this
+    process (the disk cache stays). For tests and long-lived processes that generate
+    many one-off mods; nothing else needs it: every memo is bounded."""
+    from .codegen import cache, spec
+    from .frontend import grad, lowering, trace
+    from .runtime import launch, plan
+    for clear in (trace.clear_memos, lowering.clear_memos, grad.clear_memos, plan.clear_memos,
+                  spec.clear_memos, cache.clear_memos, launch.clear_memos):
+        clear()
+
+
 __all__ = [
     "flex_attention", "create_block_mask", "create_mask", "BlockMask", "kernel_source",
+    "decode_attention", "PagedKVCache", "CacheFullError", "AuxRequest", "AuxOutput",
     "and_masks", "or_masks", "noop_mask", "FlexgenError", "InputError", "TraceError", "GradientError",
-    "autotune",
+    "autotune", "clear_caches",
 ]

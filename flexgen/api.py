@@ -1,387 +1,103 @@
-"""``flex_attention``: the same call as ``torch.nn.attention.flex_attention``.
+"""The public entry points: ``flex_attention`` (torch's call), ``decode_attention``, ``kernel_source``.
 
-Checks the inputs, traces the score_mod, picks (or generates) the kernel for
-this combination of mods, dtypes and head dims, and launches it. Everything
-expensive (sympy, rendering, compiling) happens once per new combination; a
-repeated call is a trace of the score_mod plus dict lookups.
+Each one traces the mods (``flexgen.frontend.trace``: memoized in eager mode,
+inline under torch.compile), gathers what the block mask holds, checks the
+arguments a Python function can check, and calls one custom op
+(``flexgen.runtime.ops``), which plans (``flexgen.runtime.plan``) and launches.
+Everything here is plain Python over tensors and mods, so torch.compile traces
+it without a graph break and torch.export records one op per call.
 """
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
+import dataclasses
+import math
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from .runtime import launch, tuning
-from .kernels import backward
-from .masks.block_mask import BlockMask
 from .codegen.cache import source
-from .runtime.checks import DTYPES, check_buffers, check_heads, check_scale, check_tensor
-from .kernels.decode import decode_attention, few_queries
-from .errors import expected
-from .frontend.lowering import lower
-from .codegen.spec import KernelSpec, dot_precision, kernel_spec, mod_fields, tma_supported
+from .errors import expected, reported
 from .frontend.trace import trace_cached
+from .masks.block_mask import mask_inputs
+from .runtime import ops
+from .runtime.options import parse_options
 
-OPTION_KEYS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
-# Switches (bools), not tiles: USE_TMA loads Q, K, V and stores the output through Hopper
-# TMA descriptors (the forward kernel, and both backward kernels, which follow the forward's
-# choice; a call whose tensors TMA cannot address, e.g. an expanded grad_out, runs the
-# pointer kernels).
-# It is on by default for fp16 / bf16 on GPUs that have TMA (sm_90+), where the H100
-# measured it 0-22% faster than pointer loads (benchmarks/NOTES.md), for calls of at
-# least TMA_MIN_SCORES score elements (B * Hq * Lq * Lkv, ~150 us of kernel at D=128):
-# its four host descriptors cost ~40 us a call there, more than it gains on a short
-# kernel. USE_TMA=True / False decides either way.
-FLAG_OPTIONS = {"USE_TMA"}
-TMA_MIN_SCORES = 2 ** 27
-# torch's kernel_options that only tune torch's own kernels: accepted, no effect here.
-TORCH_ONLY_OPTIONS = {"PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS",
-                      "OUTPUT_LOGSUMEXP", "FORCE_USE_FLEX_ATTENTION", "WRITE_DQ", "BACKEND",
-                      "num_consumer_groups", "num_buffers_warp_spec"}
+try:     # torch >= 2.9: return_aux
+    from torch.nn.attention.flex_attention import AuxOutput, AuxRequest
+except ImportError:  # pragma: no cover - older torch
+    from typing import NamedTuple
 
-# Set FLEXGEN_POISON=1 (the tests do) to fill outputs with NaN before each
-# launch, so an element the kernel fails to write shows up.
-POISON = os.environ.get("FLEXGEN_POISON") == "1"
+    class AuxRequest(NamedTuple):
+        """Which auxiliary outputs ``flex_attention`` returns (torch's AuxRequest)."""
+        lse: bool = False
+        max_scores: bool = False
+
+    class AuxOutput(NamedTuple):
+        """``flex_attention``'s auxiliary outputs (torch's AuxOutput)."""
+        lse: torch.Tensor | None = None
+        max_scores: torch.Tensor | None = None
 
 
-def _check_inputs(query, key, value, enable_gqa):
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        check_tensor(name, t)
-    if not (query.dtype == key.dtype == value.dtype):
-        raise expected("key/value", f"the query's dtype {query.dtype}",
-                       f"key {key.dtype}, value {value.dtype}", "convert all three to one dtype")
-    if not (query.device == key.device == value.device):
-        raise expected("key/value", f"the query's device {query.device}",
-                       f"key on {key.device}, value on {value.device}", "move all three to one device")
-    B, Hq, _, D = query.shape
-    if key.shape[0] != B or value.shape[0] != B:
-        raise expected("key/value batch", f"batch {B} like query", f"{key.shape[0]} and {value.shape[0]}",
-                       "give query, key and value the same batch size")
-    if key.shape[1] != value.shape[1] or key.shape[2] != value.shape[2]:
-        raise expected("value", f"the key's heads and length {tuple(key.shape[1:3])}",
-                       tuple(value.shape[1:3]), "key and value must come from the same positions")
-    if key.shape[3] != D:
-        raise expected("key.shape[-1]", f"the query's head dim {D}", key.shape[3],
-                       "query and key need the same head dim (value's may differ)")
-    check_heads(Hq, key.shape[1], enable_gqa)
+def _tensors(**named) -> None:
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise reported(expected(name, "a torch.Tensor [B, H, L, D]", type(t).__name__,
+                                    f"pass {name} as a tensor"))
+        if t.dim() != 4:
+            raise reported(expected(name, "a 4-D tensor [B, H, L, D]", f"shape {list(t.shape)}",
+                                    f"reshape {name} to [B, H, L, D] (e.g. x.transpose(1, 2))"))
 
 
-def _check_block_mask(block_mask, query, key):
-    if not isinstance(block_mask, BlockMask):
-        raise expected("block_mask", "a flexgen BlockMask (from flexgen.create_block_mask) or None",
-                       type(block_mask).__name__, "build it with flexgen.create_block_mask")
-    B, Hq, Q_LEN = query.shape[:3]
-    KV_LEN = key.shape[2]
-    if block_mask.seq_lengths != (Q_LEN, KV_LEN):
-        raise expected("block_mask", f"a mask for Q_LEN={Q_LEN}, KV_LEN={KV_LEN}",
-                       f"one for Q_LEN={block_mask.seq_lengths[0]}, KV_LEN={block_mask.seq_lengths[1]}",
-                       f"create_block_mask(mask_mod, B, H, {Q_LEN}, {KV_LEN})")
-    mB, mH = block_mask.kv_num_blocks.shape[:2]
-    if mB not in (1, B) or mH not in (1, Hq):
-        raise expected("block_mask", f"batch 1 or {B} and heads 1 or {Hq}", f"batch {mB}, heads {mH}",
-                       "create the mask with B and H of the query (or None to broadcast)")
-    if block_mask.device != query.device:
-        raise expected("block_mask", f"a mask on {query.device} like the query", block_mask.device,
-                       f"block_mask.to('{query.device}')")
+def check_scale(scale, head_dim: int) -> float:
+    """The softmax scale: ``scale`` itself, or 1/sqrt(head_dim) for None."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
+        raise reported(expected("scale", "a finite float or None", repr(scale), "pass a Python float"))
+    return float(scale)
 
 
-def _options(kernel: str, kernel_options, head_dim, dtype, device, sparse_q, sparse_kv) -> dict:
-    """The tiles for ``kernel``: the tuning table's (flexgen.runtime.tuning), with the caller's options on top."""
-    opts = tuning.options(kernel, head_dim, dtype, device, sparse_q, sparse_kv)
-    for k, v in (kernel_options or {}).items():
-        if k in TORCH_ONLY_OPTIONS:
-            continue
-        if k in FLAG_OPTIONS:
-            if type(v) not in (bool, int) or v not in (0, 1):
-                raise expected(f"kernel_options[{k!r}]", "True or False", repr(v), "pass a bool")
-            continue
-        if k not in OPTION_KEYS:
-            raise expected("kernel_options", f"keys among {sorted(OPTION_KEYS | FLAG_OPTIONS)}",
-                           repr(k), "remove the key or fix its spelling")
-        if not isinstance(v, int) or v < 1:
-            raise expected(f"kernel_options[{k!r}]", "a positive int", repr(v), "pass an int")
-        opts[k] = v
-    for k, sparse in (("BLOCK_M", sparse_q), ("BLOCK_N", sparse_kv)):
-        if opts[k] < 16 or opts[k] & (opts[k] - 1) or sparse % opts[k]:
-            raise expected(f"kernel_options[{k!r}]", f"a power of two >= 16 dividing the sparse block {sparse}",
-                           opts[k], "use 64 or 128 (or a smaller power of two)")
-    return opts
-
-
-def _use_tma(kernel_options, query, key) -> bool:
-    """Whether to ask for the TMA forward kernel: the caller's USE_TMA, else on for
-    16-bit GPU inputs of at least TMA_MIN_SCORES score elements."""
-    asked = (kernel_options or {}).get("USE_TMA")
-    if asked is not None:
-        return bool(asked)
-    B, Hq, Lq, _ = query.shape
-    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
-            and B * Hq * Lq * key.shape[2] >= TMA_MIN_SCORES)
-
-
-def _tunable_tiles(call) -> tuple | None:
-    """The sparse block sizes the autotuner's tiles must divide, or None: the caller chose tiles."""
-    if call.kernel_options and OPTION_KEYS & set(call.kernel_options):
-        return None
-    return call.block_mask.BLOCK_SIZE if call.block_mask is not None else (128, 128)
-
-
-@dataclass(frozen=True)
-class _Call:
-    """One checked call: the forward kernel and what the backward would need."""
-    spec: KernelSpec
-    sparse: tuple | None          # kv lists broadcast to [B, H, ...], Q_BLOCK, KV_BLOCK
-    score_traced: object          # the traced score_mod, or None
-    block_mask: BlockMask | None
-    score_buffers: tuple
-    mask_buffers: tuple
-    scale: float
-    kernel_options: dict | None
-    # Whether query, key and value all start 16-byte aligned (part of the memo key).
-    aligned: bool
-    # The outputs to allocate: out [B, Hq, Lq, Dv] in ``dtype``, lse [B, Hq, Lq] float32.
-    out_shape: tuple
-    lse_shape: tuple
-    dtype: torch.dtype
-    device: torch.device
-    # The forward launch, replayable with new q, k, v, out, lse (launch.Replay): the
-    # next call with this plan skips rebuilding and re-specializing its arguments.
-    replay: list = field(default_factory=lambda: [None], compare=False, repr=False)
-
-
-def _trace_score(score_mod):
-    return None if score_mod is None else trace_cached(score_mod, "score_mod")
-
-
-# A training or serving loop makes the same call every step: what _prepare
-# decides is memoized on everything it reads. The key holds ids; the entry
-# holds the objects behind them, so no id is reused while its entry exists.
-_CALLS: dict = {}
-_CALLS_MAX = 256
-
-
-def _mask_lists(block_mask) -> tuple:
-    return (block_mask.kv_num_blocks, block_mask.kv_indices,
-            block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
-
-
-def _aligned(query, key, value) -> bool:
-    """Whether all three bases are 16-byte aligned: Triton specializes the kernel on each
-    pointer's alignment, and the TMA choice needs all three aligned (spec.tma_supported)."""
-    return not (query.data_ptr() | key.data_ptr() | value.data_ptr()) & 15
-
-
-def _call_key(query, key, value, score_traced, block_mask, scale, enable_gqa, kernel_options):
-    """The memo key of a call, or None for one that is not memoized (the checked path then
-    raises the InputError). Built inline, one flat tuple: it is most of a warm call's cost."""
-    if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)
-            and isinstance(value, torch.Tensor)):
-        return None
-    options = None
-    if kernel_options:
-        # Each value's type too: 64.0 == 64 (and hashes alike), but only the int is a tile.
-        options = (tuple([(k, type(v), v) for k, v in kernel_options.items()])
-                   if isinstance(kernel_options, dict) else kernel_options)
-    mask = None
-    if block_mask is not None:
-        if not isinstance(block_mask, BlockMask):
-            return None
-        bm = block_mask
-        mask = (bm.seq_lengths, bm.BLOCK_SIZE, id(bm), id(bm.kv_num_blocks), id(bm.kv_indices),
-                id(bm.full_kv_num_blocks), id(bm.full_kv_indices))
-    try:
-        # fp32 on the GPU uses tf32 only where torch allows it (spec.dot_precision).
-        tf32 = query.dtype == torch.float32 and query.is_cuda and torch.backends.cuda.matmul.allow_tf32
-        # scale's type too: True == 1 (and hashes alike), but only the int is a valid scale.
-        return (id(score_traced), mask, type(scale), scale, enable_gqa, options, tf32,
-                _aligned(query, key, value),
-                query.shape, query.stride(), query.dtype, query.device,
-                key.shape, key.stride(), key.dtype, key.device,
-                value.shape, value.stride(), value.dtype, value.device)
-    except Exception:  # noqa: BLE001 - an odd tensor (no strides, no storage): the checked path explains
-        return None
-
-
-def _prepare(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
-             score_traced=None) -> _Call:
-    """Check everything and decide the forward kernel (``score_traced``: the score_mod's trace,
-    when the caller has it already)."""
-    if score_traced is None and score_mod is not None:
-        score_traced = _trace_score(score_mod)
-    memo = _call_key(query, key, value, score_traced, block_mask, scale, enable_gqa, kernel_options)
-    hit = None
-    if memo is not None:
-        try:
-            hit = _CALLS.get(memo)
-        except TypeError:       # an unhashable option value, say: not memoized
-            memo = None
-    if hit is not None:
-        return hit[0]
-    call = _plan_call(query, key, value, score_traced, block_mask, scale, enable_gqa, kernel_options)
-    if memo is not None:
-        if len(_CALLS) >= _CALLS_MAX:
-            _CALLS.clear()
-        _CALLS[memo] = (call, block_mask and _mask_lists(block_mask))
-    return call
-
-
-def _plan_call(query, key, value, score_traced, block_mask, scale, enable_gqa, kernel_options) -> _Call:
-    _check_inputs(query, key, value, enable_gqa)
-    device = query.device
-    B, Hq, Q_LEN, D = query.shape
-    Dv = value.shape[-1]
-    scale = check_scale(scale, D)
-
-    score = None if score_traced is None else lower(score_traced)
-    if score_traced is not None:
-        check_buffers(score_traced, device)
-
-    mask, sparse, mask_buffers = None, None, ()
-    sparse_q = sparse_kv = 128
-    if block_mask is not None:
-        _check_block_mask(block_mask, query, key)
-        sparse_q, sparse_kv = block_mask.BLOCK_SIZE
-        mask_traced = block_mask.traced()
-        check_buffers(mask_traced, device)
-        mask = lower(mask_traced)
-        mask_buffers = mask_traced.buffers
-        sparse = (*block_mask.broadcast_lists("kv", B, Hq), sparse_q, sparse_kv)
-
-    opts = _options(tuning.forward_kernel(score, block_mask is not None), kernel_options, max(D, Dv),
-                    DTYPES[query.dtype], device, sparse_q, sparse_kv)
-    spec = kernel_spec(
-        "forward",
-        **mod_fields(score, mask),
-        qk_head=D, v_head=Dv, dtype=DTYPES[query.dtype],
-        has_block_mask=block_mask is not None,
-        block_m=opts["BLOCK_M"], block_n=opts["BLOCK_N"],
-        num_warps=opts["num_warps"], num_stages=opts["num_stages"],
-        dot_precision=dot_precision(query),
-        use_tma=_use_tma(kernel_options, query, key) and tma_supported(query, key, value),
-    )
-    score_buffers = () if score_traced is None else score_traced.buffers
-    return _Call(spec, sparse, score_traced, block_mask, score_buffers, mask_buffers, scale,
-                 kernel_options, _aligned(query, key, value), (B, Hq, Q_LEN, Dv), (B, Hq, Q_LEN),
-                 query.dtype, device)
-
-
-def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options):
-    """Check everything and decide the kernel: (spec, launch inputs without outputs)."""
-    call = _prepare(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options)
-    return call.spec, (call.sparse, call.score_buffers, call.mask_buffers, call.scale)
-
-
-def _backward_plan(call: _Call, query, value, slots) -> backward.BackwardPlan:
-    """Derive and print the backward kernels' mods (GradientError here, before any launch)."""
-    sparse_q, sparse_kv = (call.block_mask.BLOCK_SIZE if call.block_mask is not None else (128, 128))
-    head_dim = max(query.shape[-1], value.shape[-1])
-    dq, dkdv = (_options(kernel, call.kernel_options, head_dim, call.spec.dtype, query.device,
-                         sparse_q, sparse_kv) for kernel in ("backward.dq", "backward.dkdv"))
-    return backward.plan(call.spec, call.score_traced, call.block_mask, query,
-                         call.mask_buffers, call.scale, slots, dq, dkdv, _tunable_tiles(call))
-
-
-def _forward(call: _Call, query, key, value):
-    # (Sizes as separate ints: torch parses them faster than one tuple.)
-    out = torch.empty(*call.out_shape, dtype=call.dtype, device=call.device)
-    lse = torch.empty(*call.lse_shape, dtype=torch.float32, device=call.device)
-    if POISON:
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-    replay = call.replay[0]
-    if replay is not None and not tuning.needs_lookup():
-        # What the kernel is specialized on is fixed by the plan's memo key (dtypes, and
-        # call.aligned: q, k, v aligned) but for the new outputs' alignment: torch's
-        # allocators align them, and it is checked all the same, two pointers instead of
-        # the five launch.Replay.__call__ would classify.
-        if call.aligned and not (out.data_ptr() | lse.data_ptr()) & 15:
-            launched = replay.launch(query, key, value, out, lse)
-        else:
-            launched = replay(query, key, value, out, lse)
-        if launched:
-            return out, lse
-    call.replay[0] = launch.run(call.spec, query.device, query, key, value, out, lse, call.sparse,
-                                call.score_buffers, call.mask_buffers, call.scale,
-                                tune_blocks=_tunable_tiles(call), replay=5)
-    return out, lse
-
-
-class FlexAttentionFunction(torch.autograd.Function):
-    """flex_attention as an autograd Function: gradients for q, k, v and learned captured tensors.
-
-    Saves q, k, v, the output and the LSE; the backward kernels recompute the
-    probabilities from the LSE (``flexgen.kernels.backward``).
-    """
-
-    @staticmethod
-    def forward(ctx, query, key, value, call, bw, *score_buffers):
-        out, lse = _forward(call, query, key, value)
-        ctx.set_materialize_grads(False)    # an unused output's gradient stays None
-        ctx.call, ctx.bw = call, bw
-        ctx.save_for_backward(query, key, value, out, lse, *score_buffers)
-        return out, lse
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out, grad_lse):
-        query, key, value, out, lse, *score_buffers = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        dq, dk, dv, buffer_grads = backward.run(
-            ctx.bw, query, key, value, out, lse, grad_out, grad_lse, tuple(score_buffers),
-            needs_kv=needs[1] or needs[2])
-        grads = [buffer_grads.get(i) if needs[5 + i] else None for i in range(len(score_buffers))]
-        return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
-                None, None, *grads)
+def _mods(score_mod, block_mask):
+    score = None if score_mod is None else trace_cached(score_mod, "score_mod")
+    mask_mod, mask_buffers, lists, block_size, lengths = mask_inputs(block_mask)
+    return ("" if score is None else score.graph, () if score is None else score.buffers,
+            mask_mod, mask_buffers, lists, block_size, lengths)
 
 
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
-                   enable_gqa=False, return_lse=False, kernel_options=None):
+                   enable_gqa=False, return_lse=False, kernel_options=None, *, return_aux=None):
     """Attention with a user score_mod and a block-sparse mask, in one generated kernel.
 
-    query ``[B, Hq, Lq, D]``, key ``[B, Hkv, Lkv, D]``, value ``[B, Hkv, Lkv, Dv]``
+    query ``[B, Hq, Lq, D]``, key ``[B or 1, Hkv, Lkv, D]``, value ``[B or 1, Hkv, Lkv, Dv]``
     (fp16, bf16 or fp32; D and Dv from 16 to 256; Hq a multiple of Hkv with
     ``enable_gqa=True``). ``score_mod(score, b, h, q_idx, kv_idx)`` rewrites each
-    scaled score ``q·k * scale`` (scale defaults to 1/sqrt(D)); ``block_mask``
-    (from ``create_block_mask``) removes positions and skips empty blocks.
-    Returns ``out [B, Hq, Lq, Dv]`` in the query's dtype, and with ``return_lse``
-    also the natural-log logsumexp ``[B, Hq, Lq]`` in float32 (-inf, and zero
-    output, for a fully masked row). CPU tensors run through the Triton interpreter.
+    scaled score ``q·k * scale`` (scale defaults to 1/sqrt(D)); ``block_mask`` (from
+    ``create_block_mask``, flexgen's or torch's) removes positions and skips empty blocks.
+    Returns ``out [B, Hq, Lq, Dv]`` in the query's dtype and stride order; with
+    ``return_lse`` also the natural-log logsumexp ``[B, Hq, Lq]`` float32 (-inf, and a zero
+    output, for a fully masked row); with ``return_aux=AuxRequest(lse=..., max_scores=...)``
+    ``(out, AuxOutput(lse, max_scores))``, max_scores being each row's largest score after
+    score_mod. CPU tensors run through the Triton interpreter.
 
-    Differentiable: when grad is enabled and query, key, value or a floating
-    tensor the score_mod captures requires grad, the backward kernels give
-    their gradients (and the LSE's gradient flows too). The score_mod's
-    derivative is derived symbolically; a mod that cannot be differentiated
-    raises ``flexgen.backward.GradientError`` here, before anything runs.
+    Differentiable: gradients flow to query, key, value and to floating tensors the
+    score_mod captures that require grad (a learned bias); the score_mod's derivative is
+    derived symbolically, and a mod that cannot be differentiated raises
+    ``flexgen.GradientError``. One ``torch.ops.flexgen.attention`` op per call (its backward
+    one more), so torch.compile(fullgraph=True) and torch.export take it as is.
     """
-    score_traced = _trace_score(score_mod)
-    slots, needs_grad = (), False
-    if torch.is_grad_enabled():
-        if score_traced is not None and score_traced.buffers:
-            slots = backward.grad_slots(score_traced)
-        needs_grad = bool(slots or getattr(query, "requires_grad", False)
-                          or getattr(key, "requires_grad", False) or getattr(value, "requires_grad", False))
-    # (decode.use_decode_path, whose gradient test is the one just made.)
-    if not needs_grad and few_queries(query):
-        # A few queries per sequence: the split-K decode kernel reads K/V once per
-        # GQA group and spreads long contexts over the GPU (flexgen.kernels.decode). It
-        # checks its inputs itself: planning the forward kernel first would be wasted.
-        if block_mask is not None:
-            # decode_attention accepts a mask longer than the queries (they sit at
-            # q_offsets); flex_attention's mask must match the call exactly.
-            _check_inputs(query, key, value, enable_gqa)
-            _check_block_mask(block_mask, query, key)
-        return decode_attention(query, key, value, score_mod=score_mod, block_mask=block_mask,
-                                scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
-                                q_offsets=0, kernel_options=kernel_options, _score_traced=score_traced)
-    call = _prepare(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
-                    score_traced)
-    if needs_grad:
-        bw = _backward_plan(call, query, value, slots)
-        out, lse = FlexAttentionFunction.apply(query, key, value, call, bw, *call.score_buffers)
-    else:
-        out, lse = _forward(call, query, key, value)
+    _tensors(query=query, key=key, value=value)
+    if return_lse and return_aux is not None:
+        raise reported(expected("return_lse", "False when return_aux is given", True,
+                                "ask for the LSE with return_aux=AuxRequest(lse=True)"))
+    score_mod, score_buffers, mask_mod, mask_buffers, lists, block_size, lengths = _mods(
+        score_mod, block_mask)
+    options = parse_options(kernel_options)
+    want_max = return_aux is not None and bool(return_aux.max_scores)
+    out, lse, max_scores = ops.call_attention(
+        query, key, value, score_buffers, mask_buffers, lists, score_mod, mask_mod, block_size,
+        lengths, check_scale(scale, query.shape[-1]), bool(enable_gqa), options.text, want_max)
+    if return_aux is not None:
+        return out, AuxOutput(lse=lse if return_aux.lse else None,
+                              max_scores=max_scores if want_max else None)
     return (out, lse) if return_lse else out
 
 
@@ -389,16 +105,214 @@ def kernel_source(query, key, value, score_mod=None, block_mask=None, scale=None
                   enable_gqa=False, kernel_options=None, part="forward") -> str:
     """The generated module source ``flex_attention`` would run for these arguments.
 
-    ``part`` picks the kernel: "forward", or one of the backward pass's "dq"
-    and "dkdv" (the latter two scatter gradients into the score_mod's captured
-    tensors that require grad). Nothing is launched; the source is what the
-    disk cache holds for the kernel, with the tile table's tiles (a winner that
-    ``flexgen.autotune`` stored for a size bucket may use others).
+    ``part`` picks the kernel: "forward" (the forward kernel, or the decode kernel for a
+    few queries), or one of the backward pass's "dq" and "dkdv" (the latter two scatter
+    gradients into the score_mod's captured tensors that require grad). Nothing is
+    launched; the source is what the disk cache holds for the kernel, with the tile
+    table's tiles (a winner that ``flexgen.autotune`` stored for a size bucket may use others).
     """
+    from .runtime.plan import plan_attention, plan_backward
+    from .kernels.backward import grad_slots
     if part not in ("forward", "dq", "dkdv"):
         raise expected("part", '"forward", "dq" or "dkdv"', repr(part), "pick one of the three kernels")
-    call = _prepare(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options)
+    _tensors(query=query, key=key, value=value)
+    score_mod, score_buffers, mask_mod, mask_buffers, lists, block_size, lengths = _mods(
+        score_mod, block_mask)
+    plan = plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers, lists,
+                          block_size, lengths, check_scale(scale, query.shape[-1]), bool(enable_gqa),
+                          parse_options(kernel_options).text)
     if part == "forward":
-        return source(call.spec)
-    bw = _backward_plan(call, query, value, backward.grad_slots(call.score_traced))
+        return source(plan.spec if plan.kernel == "forward" else plan.decode.spec)
+    bw = plan_backward(plan, query, key, value, grad_slots(score_buffers))
     return source(bw.dq if part == "dq" else bw.dkdv)
+
+
+# ---------------------------------------------------------------------------------- decoding
+
+def _host_ints(t, B):
+    """The B values of a CPU tensor / list / int, or None for a CUDA tensor (never read back:
+    no sync) or a value torch.compile traces (no data read while compiling)."""
+    if isinstance(t, torch.Tensor):
+        if t.device.type == "cuda" or torch.compiler.is_compiling():
+            return None
+        values = [int(x) for x in t.reshape(-1).tolist()]
+    elif isinstance(t, int):
+        values = [t]
+    else:
+        values = [int(x) for x in t]
+    return values * B if len(values) == 1 else values
+
+
+def _lengths_arg(name, value, B, device, fix):
+    """``value`` (an int, a list of B ints or an integer tensor [B]) as the kernel reads it:
+    a cached one-element constant, or an int32 tensor of B values on ``device``."""
+    from .kernels.decode import constant
+    if isinstance(value, int) and not isinstance(value, bool):
+        return constant(value, device) if not torch.compiler.is_compiling() else torch.full(
+            (1,), value, dtype=torch.int32, device=device)
+    if isinstance(value, torch.Tensor):
+        if value.dtype.is_floating_point or value.dtype == torch.bool or value.dim() > 1 \
+                or value.numel() not in (1, B):
+            raise reported(expected(name, f"an integer tensor of shape [{B}]",
+                                    f"dtype {value.dtype}, shape {list(value.shape)}", fix))
+        if value.dtype == torch.int32 and value.dim() == 1 and value.shape[0] == B \
+                and value.device == device:
+            return value                   # what the kernel reads already: no copy, no launch
+        return value.to(device=device, dtype=torch.int32).reshape(-1).expand(B).contiguous()
+    if isinstance(value, bool):
+        raise reported(expected(name, "an int, a list of ints or an integer tensor [B]", repr(value), fix))
+    try:
+        values = [int(x) for x in value]
+    except (TypeError, ValueError):
+        raise reported(expected(name, f"an int, a list of {B} ints or an integer tensor [{B}]",
+                                type(value).__name__, fix)) from None
+    if len(values) != B:
+        raise reported(expected(name, f"{B} values (one per sequence)", len(values), fix))
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+def _query_end(q_offsets, q_lengths, B, Lq, kv_max, host_ql):
+    """One past the largest query position (max of q_offsets + q_lengths), or None when not on the host."""
+    if q_offsets is None:
+        # The default positions (each sequence's last tokens): q_offsets + q_lengths = kv_lengths.
+        return None if q_lengths is not None and host_ql is None else kv_max
+    host_qs = _host_ints(q_offsets, B)
+    if host_qs is None:
+        return None
+    if q_lengths is None:
+        return max(host_qs) + Lq
+    return None if host_ql is None else max(s + q for s, q in zip(host_qs, host_ql))
+
+
+def decode_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
+                     enable_gqa=False, return_lse=False, kv_lengths=None, page_table=None, *,
+                     mask_mod=None, q_offsets=None, q_lengths=None, num_splits=None,
+                     kernel_options=None, max_kv_len=None, _host_lengths=None):
+    """Attention of a few query tokens per sequence against a (possibly paged) KV cache.
+
+    query ``[B, Hq, Lq, D]`` (Lq from 1 to 16 is the decode case; any Lq works).
+    Contiguous: key ``[B, Hkv, L, D]``, value ``[B, Hkv, L, Dv]``. Paged (with
+    ``page_table`` ``[B, max_pages]`` int32 of physical page ids): key / value
+    are caches ``[pages, page_size, Hkv, D]``, logical position ``n`` of
+    sequence ``b`` is slot ``n % page_size`` of page ``page_table[b, n // page_size]``.
+
+    ``kv_lengths`` ``[B]``: keys per sequence (default: all ``L``; required
+    when paged). ``q_lengths`` ``[B]``: valid queries per sequence (default
+    ``Lq``; the rows after them get zeros and LSE = -inf). ``q_offsets``
+    ``[B]`` (or an int): ``q_idx`` of query 0 (default ``kv_lengths -
+    q_lengths``: the queries are the sequence's last tokens). Lengths may be
+    ints, lists or integer tensors; CUDA tensors are not read back (no sync),
+    so their values are not checked.
+
+    ``score_mod(score, b, h, q_idx, kv_idx)`` and the mask (``block_mask`` for
+    logical positions, or ``mask_mod`` applied element-wise) work as in
+    ``flex_attention``; ``h`` is the query head, ``b`` the batch row. Hq must
+    be a multiple of Hkv with ``enable_gqa=True``. ``num_splits`` overrides the
+    split-K count (as ``kernel_options={"NUM_SPLITS": n}``). ``max_kv_len`` is a host-side
+    upper bound on the lengths (only used to choose the split count when the lengths
+    live on the GPU).
+
+    Returns ``out [B, Hq, Lq, Dv]`` in the query's dtype, with ``return_lse``
+    also the natural-log LSE ``[B, Hq, Lq]`` float32 (-inf and zeros for a
+    query that sees no key). Forward only: no autograd. One ``torch.ops.flexgen.decode``
+    op per call. ``_host_lengths`` (the lengths as host ints) is PagedKVCache's.
+    """
+    _tensors(query=query, key=key, value=value)
+    if block_mask is not None and mask_mod is not None:
+        raise reported(expected("mask_mod", "None when a block_mask is given (its mask_mod is used)",
+                                getattr(mask_mod, "__name__", mask_mod), "pass only one of them"))
+    score_mod, score_buffers, mask_text, mask_buffers, lists, block_size, lengths = _mods(
+        score_mod, block_mask)
+    if mask_mod is not None:
+        traced = trace_cached(mask_mod, "mask_mod")
+        mask_text, mask_buffers = traced.graph, traced.buffers
+    options = parse_options(kernel_options)
+    if num_splits is not None:
+        if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
+            raise reported(expected("num_splits", "a positive int or None (automatic)", repr(num_splits),
+                                    "pass an int"))
+        options = dataclasses.replace(options, NUM_SPLITS=num_splits)
+    B, _, Lq, D = query.shape
+    device = query.device
+    paged = page_table is not None
+    if paged:
+        if not isinstance(page_table, torch.Tensor) or page_table.dim() != 2 \
+                or page_table.shape[0] != B or page_table.dtype not in (torch.int32, torch.int64):
+            got = (f"shape {list(page_table.shape)}, dtype {page_table.dtype}"
+                   if isinstance(page_table, torch.Tensor) else type(page_table).__name__)
+            raise reported(expected("page_table", f"an int32 tensor [{B}, max_pages_per_seq]", got,
+                                    "pass PagedKVCache.page_table rows for the batch"))
+        if page_table.device != device:
+            raise reported(expected("page_table", f"a tensor on {device}", page_table.device,
+                                    f"page_table.to('{device}')"))
+        if kv_lengths is None:
+            raise reported(expected("kv_lengths", "the length of each cached sequence with a page_table",
+                                    None, "pass kv_lengths (PagedKVCache.attention does it for you)"))
+        # Converted on every call, never cached: the table changes in place as sequences grow.
+        if page_table.dtype != torch.int32:
+            page_table = page_table.to(torch.int32)
+        if page_table.stride(1) != 1:
+            page_table = page_table.contiguous()
+        capacity = page_table.shape[1] * key.shape[1]
+    else:
+        capacity = key.shape[2]
+    fix = "pass one length per sequence (ints, a list or an int32 tensor [B])"
+    kv = _lengths_arg("kv_lengths", capacity if kv_lengths is None else kv_lengths, B, device, fix)
+    ql = _lengths_arg("q_lengths", Lq if q_lengths is None else q_lengths, B, device, fix)
+    qs = None if q_offsets is None else _lengths_arg("q_offsets", q_offsets, B, device, fix)
+    if _host_lengths is not None:
+        host_kv, host_ql = _host_lengths
+    else:
+        host_kv = None if kv_lengths is None else _host_ints(kv_lengths, B)
+        host_ql = None if q_lengths is None else _host_ints(q_lengths, B)
+    # (None with the default: every sequence is `capacity` keys long / Lq queries.)
+    kv_max = capacity if kv_lengths is None else (None if host_kv is None else max(host_kv))
+    if kv_lengths is not None and host_kv is not None and (min(host_kv) < 0 or kv_max > capacity):
+        raise reported(expected(
+            "kv_lengths", f"lengths from 0 to {capacity} (the "
+            + ("page table's capacity" if paged else "key's length") + ")",
+            f"{min(host_kv)} .. {kv_max}", "clip the lengths or give a longer cache"))
+    if q_lengths is not None and host_ql is not None and (min(host_ql) < 0 or max(host_ql) > Lq):
+        raise reported(expected("q_lengths", f"counts from 0 to {Lq} (the query's length)",
+                                f"{min(host_ql)} .. {max(host_ql)}", "pad the query to the longest count"))
+    if block_mask is not None and lengths:
+        mQ, mKV = lengths
+        if kv_max is not None and kv_max > mKV:
+            raise reported(expected("block_mask", f"a mask whose KV_LEN covers the longest sequence "
+                                    f"({kv_max})", f"KV_LEN={mKV}",
+                                    "build the mask for the cache's logical length"))
+        q_end = _query_end(q_offsets, q_lengths, B, Lq, kv_max, host_ql)
+        if q_end is not None and q_end > mQ:
+            raise reported(expected("block_mask", "a mask whose Q_LEN exceeds every query position "
+                                    f"(q_idx runs up to {q_end - 1})", f"Q_LEN={mQ}",
+                                    "build the mask for the cache's logical length "
+                                    "(PagedKVCache.block_mask)"))
+    if max_kv_len is None:
+        max_kv_len = capacity if kv_max is None else kv_max
+    out, lse = ops.call_decode(
+        query, key, value, list(score_buffers), list(mask_buffers), list(lists), kv, qs, ql,
+        page_table, score_mod, mask_text, list(block_size), list(lengths),
+        check_scale(scale, D), bool(enable_gqa), options.text, int(max_kv_len))
+    return (out, lse) if return_lse else out
+
+
+def decode_kernel_source(query, key, value, score_mod=None, block_mask=None, scale=None,
+                         enable_gqa=False, kv_lengths=None, page_table=None, *, mask_mod=None,
+                         kernel_options=None, **unused) -> str:
+    """The generated module source ``decode_attention`` would run for these arguments (nothing
+    is launched; the lengths do not change the kernel)."""
+    from .runtime.ops import _plan_decode
+    _tensors(query=query, key=key, value=value)
+    score_mod, score_buffers, mask_text, mask_buffers, lists, block_size, lengths = _mods(
+        score_mod, block_mask)
+    if mask_mod is not None:
+        traced = trace_cached(mask_mod, "mask_mod")
+        mask_text, mask_buffers = traced.graph, traced.buffers
+    plan = _plan_decode(query, key, value, score_buffers, mask_buffers, lists, page_table, score_mod,
+                        mask_text, block_size, lengths, bool(enable_gqa),
+                        parse_options(kernel_options).text)
+    return source(plan.spec)
+
+
+__all__ = ["flex_attention", "kernel_source", "decode_attention", "decode_kernel_source",
+           "AuxRequest", "AuxOutput", "check_scale"]

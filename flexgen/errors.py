@@ -4,6 +4,7 @@ Every message names the argument (or the mod), what was expected, what was
 given, and how to fix it. Internal failures are ordinary Python exceptions;
 these are for user mistakes.
 """
+import torch
 
 
 class FlexgenError(Exception):
@@ -18,6 +19,29 @@ class InputError(FlexgenError, ValueError):
     """A tensor or option passed to the API has the wrong shape, dtype or value."""
 
 
+class GradientError(FlexgenError):
+    """A score_mod cannot be differentiated (for the gradients that were asked for)."""
+
+
 def expected(arg: str, want: str, got, fix: str) -> InputError:
     """Build the standard 'argument / expected / given / fix' message."""
     return InputError(f"{arg}: expected {want}, got {got}. Fix: {fix}")
+
+
+def reported(error: FlexgenError) -> FlexgenError:
+    """``error``, for the caller to ``raise``; while torch.compile traces, raised here instead.
+
+    An exception raised inside code dynamo traces reaches the user as a bare
+    "Observed exception"; one raised from a function dynamo calls at compile time
+    (``assume_constant_result``) keeps its message and points at the user's line.
+    Code that torch.compile may trace (the public functions, the tracer, option
+    parsing) raises ``reported(...)``.
+    """
+    if torch.compiler.is_compiling():
+        _raise_at_compile_time(type(error).__name__, str(error))
+    return error
+
+
+@torch._dynamo.assume_constant_result
+def _raise_at_compile_time(kind: str, message: str):
+    raise globals().get(kind, FlexgenError)(message)

@@ -42,9 +42,10 @@ from flexgen.runtime import aot
 from flexgen.runtime import launch  # noqa: E402
 from flexgen.reference import flex_attention_reference  # noqa: E402
 
-if not flexgen.api.POISON:
-    # flexgen was imported before this conftest (a plugin?): poison anyway.
-    flexgen.api.POISON = True
+from flexgen.runtime import poison  # noqa: E402
+
+# flexgen may have been imported before this conftest (a plugin?): poison anyway.
+poison.ENABLED = True
 
 SEED = int(os.environ.get("FLEXGEN_TEST_SEED", "0"))
 AOT_ENABLED = os.environ.get("FLEXGEN_TEST_AOT", "1") != "0"

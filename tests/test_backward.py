@@ -32,15 +32,15 @@ import flexgen.api  # noqa: E402
 import flexgen.runtime.launch  # noqa: E402
 from flexgen import create_block_mask, flex_attention  # noqa: E402
 from flexgen import mods as M  # noqa: E402
-from flexgen.kernels.backward import GradientError  # noqa: E402
+from flexgen import GradientError  # noqa: E402
 from flexgen.reference import flex_attention_reference  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def poison_outputs(monkeypatch):
-    # flexgen.api reads FLEXGEN_POISON at import, which another test module may
-    # have done first: set the flag itself as well.
-    monkeypatch.setattr(flexgen.api, "POISON", True)
+    # flexgen reads FLEXGEN_POISON at import, which another test module may
+    # have done first: set the switch itself as well.
+    monkeypatch.setattr(flexgen.runtime.poison, "ENABLED", True)
 
 
 def _backward_launches() -> int:

@@ -40,7 +40,7 @@ TILES = {"BLOCK_M": 32, "BLOCK_N": 32}
 
 @pytest.fixture(autouse=True)
 def poison_outputs(monkeypatch):
-    monkeypatch.setattr(flexgen.api, "POISON", True)
+    monkeypatch.setattr(flexgen.runtime.poison, "ENABLED", True)
 
 
 def _gen(seed):

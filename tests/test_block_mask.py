@@ -222,14 +222,15 @@ def test_new_lengths_reuse_the_mask_kernel(monkeypatch):
                                    (1, 1, 40, 33)])
 def test_lists_layout_and_padding(shape):
     """Every field, padding included, is what a stable sort of "not in this state" gives
-    (torch's layout), with the dtypes and strides the lists have always had."""
+    (torch's layout): int32, each list contiguous and 16-byte aligned (the layout the
+    ``flexgen::block_mask`` op's output has, fake or real)."""
     states = torch.randint(0, 3, shape, dtype=torch.int8)
     mask = BlockMask.from_states(states, (16, 16), None, (16 * shape[2], 16 * shape[3]))
 
     def reference(rows, value):
         hit = rows == value
         order = torch.sort((~hit).to(torch.int8), dim=-1, stable=True).indices
-        return hit.sum(-1, dtype=torch.int32), order.to(torch.int32)
+        return hit.sum(-1, dtype=torch.int32), order.to(torch.int32).contiguous()
 
     transposed = states.transpose(-1, -2)
     expected = {"kv": reference(states, PARTIAL), "full_kv": reference(states, FULL),

@@ -20,10 +20,12 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from flexgen import create_block_mask  # noqa: E402
-from flexgen.kernels.decode import decode_attention, decode_kernel_source, use_decode_path  # noqa: E402
+import flexgen  # noqa: E402
+from flexgen.api import decode_attention, decode_kernel_source  # noqa: E402
 from flexgen.errors import FlexgenError, InputError  # noqa: E402
 from flexgen.mods import alibi, causal_mask, sliding_window, tanh_softcap  # noqa: E402
 from flexgen.reference import flex_attention_reference  # noqa: E402
+from flexgen.runtime.options import parse_options  # noqa: E402
 from conftest import assert_module_launches_compile  # noqa: E402
 
 def gen(seed):
@@ -144,10 +146,11 @@ def test_one_program_per_sm_runs_the_deeper_pipeline(monkeypatch):
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert [decode._alone(gpu, 8, s) for s in (16, 17)] == [True, False]   # 8 x 16 = 128 <= 132
     assert not decode._alone(cpu, 1, 1)
-    assert decode._deep_stages(gpu, 128, 2, None) == decode.DEEP_STAGES
-    assert decode._deep_stages(gpu, 256, 2, None) == 2
-    assert decode._deep_stages(gpu, 128, 2, {"num_stages": 4}) == 4
-    assert decode._deep_stages(cpu, 64, 1, None) == 1
+    none, four = parse_options(None), parse_options({"num_stages": 4})
+    assert decode._deep_stages(gpu, 128, 2, none) == decode.DEEP_STAGES
+    assert decode._deep_stages(gpu, 256, 2, none) == 2
+    assert decode._deep_stages(gpu, 128, 2, four) == 4
+    assert decode._deep_stages(cpu, 64, 1, none) == 1
 
 
 def test_flex_attention_convention_with_block_mask():
@@ -230,14 +233,28 @@ def test_half_precision(dtype):
     assert_matches(got, reference(q, k, v, tanh_softcap(5.0), sliding_window(64), kv_lengths=lengths), 1e-2)
 
 
-def test_use_decode_path():
-    q1 = torch.randn(1, 4, 16, 32)
-    q2 = torch.randn(1, 4, 17, 32)
-    k = torch.randn(1, 4, 100, 32)
-    assert use_decode_path(q1, k) and not use_decode_path(q2, k)
-    assert not use_decode_path(q1.requires_grad_(), k)
-    with torch.no_grad():
-        assert use_decode_path(q1, k)
+def test_flex_attention_picks_the_decode_kernel_by_shape_alone():
+    """At most 16 queries per sequence take the decode kernel, with or without gradients
+    (the backward works from its LSE like the forward kernel's), so the answer never depends
+    on requires_grad; BACKEND decides either way."""
+    from flexgen.kernels.decode import DecodePlan
+    from flexgen.runtime import plan as P
+
+    def kernel(q, k, **options):
+        return P.plan_attention(q, k, k, "", (), "", (), (), (), (), 0.2, False,
+                                parse_options(options or None).text).kernel
+    q16, q17, k = torch.randn(1, 4, 16, 32), torch.randn(1, 4, 17, 32), torch.randn(1, 4, 100, 32)
+    assert kernel(q16, k) == "decode" and kernel(q17, k) == "forward"
+    assert kernel(q16, k, BACKEND="TRITON") == "forward"
+    assert kernel(q17, k, BACKEND="TRITON_DECODE") == "decode"
+    assert isinstance(P.plan_attention(q16, k, k, "", (), "", (), (), (), (), 0.2, False, "").decode,
+                      DecodePlan)
+    q, kk, v = inputs(1, 4, 2, 3, 90, seed=4)
+    mask = create_block_mask(causal_mask, None, None, 3, 90, device="cpu", BLOCK_SIZE=32)
+    plain = flexgen.flex_attention(q, kk, v, score_mod=tanh_softcap(3.0), block_mask=mask, enable_gqa=True)
+    graded = flexgen.flex_attention(q.clone().requires_grad_(), kk, v, score_mod=tanh_softcap(3.0),
+                                    block_mask=mask, enable_gqa=True)
+    assert torch.equal(plain, graded.detach())
 
 
 def test_input_errors():
@@ -276,7 +293,7 @@ def test_flex_attention_checks_short_queries_like_long_ones():
         flex_attention(q, k, v, score_mod=lambda score: score)
 
 
-def test_repeated_calls_follow_what_changes_between_them():
+def test_repeated_calls_follow_what_changes_between_them(monkeypatch):
     """The plan's static half is memoized; lengths, captured values and errors are per call.
 
     Same shapes and mods every call (a decode loop): lengths grown in place in the
@@ -293,12 +310,11 @@ def test_repeated_calls_follow_what_changes_between_them():
 
     lengths = torch.tensor([30, 20], dtype=torch.int32)
     splits = set()
+    choose = decode.choose_splits
+    monkeypatch.setattr(decode, "choose_splits", lambda *a: splits.add(choose(*a)) or choose(*a))
     for step, (n0, n1) in enumerate([(30, 20), (31, 21), (150, 90), (151, 91)]):
         lengths[0], lengths[1] = n0, n1                      # in place, like a serving loop
         bias.normal_(generator=gen(20 + step))               # in place: the kernel reads it
-        plan = decode._plan(q, k, v, biased, None, None, True, lengths, None, causal_mask, None,
-                            None, None, None, None)
-        splits.add(plan.num_splits)
         got = decode_attention(q, k, v, score_mod=biased, mask_mod=causal_mask, enable_gqa=True,
                                return_lse=True, kv_lengths=lengths)
         assert_matches(got, reference(q, k, v, biased, causal_mask, kv_lengths=[n0, n1]), 1e-5)
@@ -327,16 +343,20 @@ def test_swapped_tensors_are_the_split_kernels_leading_arguments(paged, splits, 
         k = k.view(B, Hkv, L // P, P, -1).permute(0, 2, 3, 1, 4).reshape(-1, P, Hkv, k.shape[-1])
         v = v.view(B, Hkv, L // P, P, -1).permute(0, 2, 3, 1, 4).reshape(-1, P, Hkv, v.shape[-1])
         table = torch.randperm(B * L // P, generator=gen(4)).view(B, -1).to(torch.int32)
-    plan = decode._plan(q, k, v, None, None, None, True, lengths, table, None, offsets, None, splits,
-                        None, None)
+    plan = decode.plan_decode(q, k, v, None, None, None, True, parse_options({"NUM_SPLITS": splits}),
+                              paged=paged, page_table_shape=None if table is None else table.shape)
     out, lse = torch.empty(B, Hq, 1, 32), torch.empty(B, Hq, 1)
     o_part, l_part = torch.empty(B, Hq, 1, splits, 32), torch.empty(B, Hq, 1, splits)
     module = cache.load(plan.spec, interpret=True)
-    _, args, _ = module.arguments(q, k, v, out, lse, o_part, l_part, plan.seq, plan.page_table,
-                                  plan.visit, plan.score_buffers, plan.mask_buffers, plan.scale,
-                                  plan.q_tile, plan.num_splits, plan.page_size, plan.sparse_q,
-                                  plan.sparse_kv)
-    swapped = decode._swapped(plan, q, k, v, out, lse, o_part, l_part)
+    seq = (lengths, None if offsets is None else decode.constant(offsets, q.device), decode.constant(1, q.device))
+    launch = decode._Launch(seq, table, None, splits, plan.q_tile, plan.page_size, plan.sparse_q,
+                            plan.sparse_kv)
+    _, args, _ = module.arguments(q=q, k=k, v=v, out=out, lse=lse, o_part=o_part, l_part=l_part,
+                                  seq=seq, page_table=table, visit=None, score_buffers=(),
+                                  mask_buffers=(), scale=0.1, q_tile=plan.q_tile, num_splits=splits,
+                                  page_size=plan.page_size, sparse_q=plan.sparse_q,
+                                  sparse_kv=plan.sparse_kv)
+    swapped = decode._swapped(launch, q, k, v, out, lse, o_part, l_part)
     assert [a is b for a, b in zip(args, swapped)] == [True] * len(swapped)
     assert not isinstance(args[len(swapped)], torch.Tensor)   # what follows is fixed by replay_key
 
@@ -358,13 +378,13 @@ def test_a_repeated_call_replays_its_launches(monkeypatch):
 
     launched = []
 
-    def fake_run(spec, device, *inputs, replay=0, **kwargs):
+    def fake_run(spec, device, inputs, replay=0, **kwargs):
         launched.append(FakeReplay(spec.template))
         assert replay == (11 if spec.template == "decode" else 4)
         return launched[-1]
 
     monkeypatch.setattr(launch, "run", fake_run)
-    monkeypatch.setattr(decode, "_STATIC", {})        # no fake replay outlives the test
+    monkeypatch.setattr(decode, "_PLANS", {})         # no fake replay outlives the test
     B, Hq, Hkv, L = 2, 4, 2, 200
     q, k, v = inputs(B, Hq, Hkv, 1, L, seed=5)
     lengths = torch.tensor([150, 200], dtype=torch.int32)
@@ -392,29 +412,33 @@ def test_a_repeated_call_replays_its_launches(monkeypatch):
     assert [r.template for r in launched[n:]] == ["decode"]     # the merge still replays
 
 
-def test_block_mask_memo_follows_reassigned_fields():
-    """A mask's derived visit lists are recomputed when its list fields are reassigned."""
-    from flexgen.kernels.decode import _visit_lists
+def test_visit_lists_follow_the_mask_lists():
+    """The decode kernel's visit lists, derived from a mask's kv lists, are remembered per list
+    tensors and recomputed for other tensors or after an in-place change."""
+    from flexgen.kernels.decode import visit_lists
     mask = create_block_mask(causal_mask, None, None, 64, 256, device="cpu", BLOCK_SIZE=16)
-    first = _visit_lists(mask, 1)
-    assert _visit_lists(mask, 1) is first
     other = create_block_mask(sliding_window(20), None, None, 64, 256, device="cpu", BLOCK_SIZE=16)
-    mask.kv_num_blocks, mask.kv_indices = other.kv_num_blocks, other.kv_indices
-    mask.full_kv_num_blocks, mask.full_kv_indices = other.full_kv_num_blocks, other.full_kv_indices
-    again = _visit_lists(mask, 1)
-    assert again is not first
-    assert all(torch.equal(a, b) for a, b in zip(again, _visit_lists(other, 1)))
+    lists = [mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices]
+    others = [other.kv_num_blocks, other.kv_indices, other.full_kv_num_blocks, other.full_kv_indices]
+    first = visit_lists(lists, 1)
+    assert visit_lists(lists, 1) is first
+    again = visit_lists(others, 1)
+    assert again is not first and not torch.equal(again[1], first[1])
+    for mine, theirs in zip(lists, others):
+        mine.copy_(theirs)                                   # in place: a new version
+    changed = visit_lists(lists, 1)
+    assert changed is not first and all(torch.equal(a, b) for a, b in zip(changed, again))
 
 
-def test_static_memo_is_bounded(monkeypatch):
+def test_plan_memo_is_bounded(monkeypatch):
     from flexgen.kernels import decode
     from flexgen.runtime import launch
     monkeypatch.setattr(launch, "run", lambda *args, **kwargs: None)
-    monkeypatch.setattr(decode, "MAX_STATIC", 4)
+    monkeypatch.setattr(decode, "_MEMO_MAX", 4)
     for n in range(1, 11):
         q, k, v = inputs(1, 2, 2, n, 40, seed=n)
         decode_attention(q, k, v)
-        assert len(decode._STATIC) <= 4
+        assert len(decode._PLANS) <= 4
 
 
 def test_kernel_source_names_the_mods():
@@ -426,20 +450,3 @@ def test_kernel_source_names_the_mods():
 def test_every_launched_kernel_compiles_for_sm90():
     """Ahead-of-time compile (triton.compile for sm_90) of each distinct kernel launched above."""
     assert_module_launches_compile(__name__, {"decode", "decode_merge"})
-
-
-def test_flex_attention_hands_its_trace_to_the_decode_path(monkeypatch):
-    """flex_attention traced the score_mod to choose the decode path; decode does not trace again."""
-    import flexgen
-    from flexgen.kernels import decode
-
-    q = torch.randn(1, 4, 1, 32)
-    k, v = torch.randn(1, 2, 70, 32), torch.randn(1, 2, 70, 32)
-    score = tanh_softcap(4.0)
-
-    def traced_again(*args):
-        raise AssertionError("decode traced the score_mod a second time")
-
-    monkeypatch.setattr(decode, "_trace", traced_again)
-    got = flexgen.flex_attention(q, k, v, score_mod=score, enable_gqa=True, return_lse=True)
-    assert_matches(got, reference(q, k, v, score), 1e-5)

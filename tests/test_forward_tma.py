@@ -256,7 +256,8 @@ def test_output_rows_not_16_byte_aligned_fall_back():
 
 def test_device_without_tma_falls_back(monkeypatch):
     """No TMA on the device (a GPU before sm_90): the pointer kernel."""
-    monkeypatch.setattr(flexgen.codegen.spec, "_has_tma", lambda device: False)
+    monkeypatch.setattr(flexgen.codegen.spec, "has_tma", lambda device: False)
+    monkeypatch.setattr(flexgen.runtime.plan, "_ATTENTION", {})
     q, k, v = make_qkv(B=1, H=3, L=53)
     run_tma(q, k, v, expect_tma=False)
 
@@ -341,19 +342,19 @@ def test_every_launched_kernel_compiles_for_sm90():
 
 
 def test_tma_is_the_default_for_long_16_bit_gpu_calls_only():
-    from types import SimpleNamespace
+    from flexgen.runtime.options import parse_options
+    from flexgen.runtime.plan import TMA_MIN_SCORES, _use_tma
 
-    from flexgen.api import TMA_MIN_SCORES, _use_tma
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
 
-    def tensor(dtype=torch.bfloat16, cuda=True, L=4096):
-        return SimpleNamespace(is_cuda=cuda, dtype=dtype, shape=(2, 8, L, 128))
+    def use(options, dtype=torch.bfloat16, device=cuda, L=4096):
+        return _use_tma(parse_options(options), 2, 8, L, L, dtype, device)
 
-    long_bf16 = tensor()
     assert 2 * 8 * 4096 * 4096 >= TMA_MIN_SCORES
-    assert _use_tma(None, long_bf16, long_bf16) and _use_tma({"BLOCK_M": 64}, long_bf16, long_bf16)
-    assert not _use_tma({"USE_TMA": False}, long_bf16, long_bf16)
-    assert not _use_tma(None, tensor(L=128), tensor(L=128))        # short: host cost > gain
-    assert _use_tma({"USE_TMA": True}, tensor(L=128), tensor(L=128))
-    assert not _use_tma(None, tensor(torch.float32), tensor(torch.float32))
-    assert _use_tma({"USE_TMA": True}, tensor(torch.float32), tensor(torch.float32))
-    assert not _use_tma(None, tensor(cuda=False), tensor(cuda=False))   # CPU: the pointer kernel
+    assert use(None) and use({"BLOCK_M": 64})
+    assert not use({"USE_TMA": False})
+    assert not use(None, L=128)                       # short: host cost > gain
+    assert use({"USE_TMA": True}, L=128)
+    assert not use(None, torch.float32)
+    assert use({"USE_TMA": True}, torch.float32)
+    assert not use(None, device=cpu)                  # CPU: the pointer kernel

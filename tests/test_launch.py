@@ -17,6 +17,7 @@ import triton
 
 import flexgen
 from flexgen import api
+from flexgen import mods as M
 from flexgen.runtime import launch
 from flexgen.errors import InputError
 from flexgen.codegen.spec import KernelSpec
@@ -205,14 +206,16 @@ def test_no_replay_of_tma_descriptors(fake_gpu, monkeypatch):
     t = torch.zeros(1, 1, 16, 16)
     d = TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 16, 16])
     cuda = torch.device("cuda", 0)
-    assert launch.run(SPEC, cuda, d, 3, replay=1) is None
-    assert isinstance(launch.run(SPEC, cuda, t, 3, replay=1), launch.Replay)
+    monkeypatch.setattr(launch, "_launch", lambda spec, device, inputs: (
+        kernel.compiled, (1,), [inputs["x"], 3], (), 0))
+    assert launch.run(SPEC, cuda, dict(x=d), replay=1) is None
+    assert isinstance(launch.run(SPEC, cuda, dict(x=t), replay=1), launch.Replay)
 
 
 def test_the_interpreter_path_never_replays():
     q = torch.randn(1, 2, 40, 32)
     flexgen.flex_attention(q, q, q)
-    assert _prepare(q, q, q).replay == [None]
+    assert _plan(q, q, q).replay == [None]
 
 
 # ---------------------------------------------------------------------------- call memo
@@ -221,22 +224,26 @@ def _causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
-def _prepare(q, k, v, score_mod=None, block_mask=None, scale=None, enable_gqa=False, kernel_options=None):
-    return api._prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options)
+def _plan(q, k, v, score_mod=None, block_mask=None, scale=None, enable_gqa=False, kernel_options=None):
+    """The plan flex_attention's op would make for these arguments."""
+    from flexgen.runtime.options import parse_options
+    from flexgen.runtime.plan import plan_attention
+    score, sbufs, mask, mbufs, lists, block_size, lengths = api._mods(score_mod, block_mask)
+    return plan_attention(q, k, v, score, sbufs, mask, mbufs, lists, block_size, lengths,
+                          api.check_scale(scale, q.shape[-1]), enable_gqa,
+                          parse_options(kernel_options).text)
 
 
 def test_a_repeated_call_reuses_its_plan():
     q = torch.randn(1, 2, 40, 32)
     mask = flexgen.create_block_mask(_causal, None, None, 40, 40, device="cpu")
-    first = _prepare(q, q, q, block_mask=mask, kernel_options={"BLOCK_M": 16})
-    again = _prepare(torch.randn(1, 2, 40, 32), q, q, block_mask=mask, kernel_options={"BLOCK_M": 16})
+    first = _plan(q, q, q, block_mask=mask, kernel_options={"BLOCK_M": 16})
+    again = _plan(torch.randn(1, 2, 40, 32), q, q, block_mask=mask, kernel_options={"BLOCK_M": 16})
     assert again is first
 
 
-@pytest.mark.parametrize("change", ["shape", "stride", "dtype", "scale", "gqa_heads", "options",
-                                    "mask_object", "mask_lists", "score_mod", "captured_tensor",
-                                    "alignment"])
-def test_anything_the_plan_reads_makes_a_new_plan(change):
+def _plan_change(change):
+    """(first plan, plan after ``change``) of one call."""
     q = torch.randn(1, 2, 40, 32)
     bias = torch.randn(2)
 
@@ -245,7 +252,7 @@ def test_anything_the_plan_reads_makes_a_new_plan(change):
 
     mask = flexgen.create_block_mask(_causal, None, None, 40, 40, device="cpu")
     args = dict(q=q, k=q, v=q, score_mod=biased, block_mask=mask)
-    first = _prepare(**args)
+    first = _plan(**args)
     if change == "shape":
         x = torch.randn(1, 2, 40, 48)
         args.update(q=x, k=x, v=x)
@@ -261,47 +268,71 @@ def test_anything_the_plan_reads_makes_a_new_plan(change):
         args.update(q=torch.randn(1, 4, 40, 32), enable_gqa=True)
     elif change == "options":
         args.update(kernel_options={"BLOCK_N": 16})
+    elif change == "score_mod":
+        args.update(score_mod=lambda score, b, h, q_idx, kv_idx: score * 2)
+    elif change == "captured_dtype":
+        bias = torch.randn(2, dtype=torch.float64)     # the closure now reads a float64 tensor
     elif change == "mask_object":
         args.update(block_mask=flexgen.create_block_mask(_causal, None, None, 40, 40, device="cpu"))
     elif change == "mask_lists":
         mask.kv_num_blocks = mask.kv_num_blocks.clone()
-    elif change == "score_mod":
-        args.update(score_mod=lambda score, b, h, q_idx, kv_idx: score * 2)
     elif change == "captured_tensor":
-        bias = torch.randn(2, dtype=torch.float64)     # the closure now reads a new tensor
+        bias = torch.randn(2)                          # a new tensor, same dtype and shape
     elif change == "alignment":
         args.update(q=_misaligned(q))                  # same shape and strides
-    second = _prepare(**args)
+    return first, _plan(**args)
+
+
+@pytest.mark.parametrize("change", ["shape", "stride", "dtype", "scale", "gqa_heads", "options",
+                                    "score_mod", "captured_dtype"])
+def test_anything_the_plan_reads_makes_a_new_plan(change):
+    first, second = _plan_change(change)
     assert second is not first
-    assert second.aligned == (change != "alignment")
-    if change == "mask_lists":
-        assert second.sparse[0].data_ptr() == mask.kv_num_blocks.data_ptr()
-    if change == "captured_tensor":
-        assert second.score_buffers[0] is bias
+
+
+@pytest.mark.parametrize("change", ["mask_object", "mask_lists", "captured_tensor", "alignment"])
+def test_identities_and_addresses_are_not_part_of_a_plan(change):
+    """A plan is a function of shapes, dtypes, strides, devices and mods only (so it is the
+    same on FakeTensors): new tensor objects, new masks of the same layout and other base
+    addresses keep it (the launch checks alignment itself)."""
+    first, second = _plan_change(change)
+    assert second is first
+
+
+def test_plans_are_made_on_fake_and_meta_tensors():
+    """The planner reads no data: it plans (and checks) FakeTensor and meta inputs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    real = _plan(*(torch.randn(1, 2, 40, 32) for _ in range(3)), score_mod=M.tanh_softcap(3.0))
+    with FakeTensorMode():
+        fake = torch.empty(1, 2, 40, 32)
+        assert _plan(fake, fake, fake, score_mod=M.tanh_softcap(3.0)).spec is real.spec
+    meta = torch.empty(1, 2, 40, 32, device="meta")
+    with pytest.raises(InputError, match="CUDA or CPU"):
+        _plan(meta, meta, meta)
 
 
 def test_a_bad_call_still_raises_after_a_good_one():
     q = torch.randn(1, 2, 40, 32)
-    _prepare(q, q, q)
+    _plan(q, q, q)
     with pytest.raises(InputError, match="key.shape"):
-        _prepare(q, q[..., :16], q)
+        _plan(q, q[..., :16], q)
     with pytest.raises(InputError, match="enable_gqa"):
-        _prepare(q, q[:, :1], q[:, :1])
+        _plan(q, q[:, :1], q[:, :1])
     with pytest.raises(InputError, match="kernel_options"):
-        _prepare(q, q, q, kernel_options={"BLOCK_Q": 64})
-    _prepare(q, q, q, scale=1)
+        _plan(q, q, q, kernel_options={"BLOCK_Q": 64})
+    _plan(q, q, q, scale=1)
     with pytest.raises(InputError, match="scale"):
-        _prepare(q, q, q, scale=True)       # equal to 1, and still not a scale
-    _prepare(q, q, q, kernel_options={"BLOCK_M": 16})
+        _plan(q, q, q, scale=True)       # equal to 1, and still not a scale
+    _plan(q, q, q, kernel_options={"BLOCK_M": 16})
     with pytest.raises(InputError, match="BLOCK_M"):
-        _prepare(q, q, q, kernel_options={"BLOCK_M": 16.0})     # equal to 16, and still not a tile
+        _plan(q, q, q, kernel_options={"BLOCK_M": 16.0})     # equal to 16, and still not a tile
 
 
 def _misaligned(t):
     """A copy of ``t`` with the same shape and strides whose base is 4 bytes off 16-byte alignment."""
     flat = torch.zeros(t.numel() + 8, dtype=t.dtype)
     shift = (16 - flat.data_ptr() % 16) % 16 // t.element_size() + 4 // t.element_size()
-    out = flat[shift:shift + t.numel()].view(t.shape)
+    out = flat[shift:shift + t.numel()].as_strided(t.shape, t.stride())
     out.copy_(t)
     assert out.stride() == t.stride() and out.data_ptr() % 16 != 0
     return out
@@ -346,15 +377,19 @@ def test_what_the_memos_key_on_still_gives_the_right_result(helpers, monkeypatch
 
 
 def _fake_forward_launches(kernel, monkeypatch):
-    """Let launch.run hand api._forward a Replay of the fake compiled kernel (as on a GPU);
-    returns the list of the launches that went through launch.run (their inputs)."""
+    """Let launch.run hand the forward a Replay of the fake compiled kernel (as on a GPU);
+    returns the list of the launches that went through launch.run (their kernel arguments)."""
+    from flexgen.runtime import plan
     monkeypatch.setattr(launch, "RECORDED", None)
-    monkeypatch.setattr(api, "_CALLS", {})
+    monkeypatch.setattr(plan, "_ATTENTION", {})
     launched = []
 
     def fake_launch(spec, device, inputs):
-        launched.append(inputs)
-        return kernel.compiled, (4, 2), list(inputs), ("tail",), 0
+        args = [inputs["q"], inputs["k"], inputs["v"], inputs["out"], inputs["lse"],
+                inputs["max_scores"] if inputs["max_scores"] is not None else inputs["lse"],
+                "strides", "lengths"]
+        launched.append(args)
+        return kernel.compiled, (4, 2), args, ("tail",), 0
     monkeypatch.setattr(launch, "_launch", fake_launch)
     return launched
 
@@ -370,11 +405,11 @@ def test_a_repeated_forward_call_replays_with_its_new_tensors(fake_gpu, monkeypa
     assert len(launched) == 1
     call = kernel.compiled.calls[-1]
     assert call[:4] == (4, 2, 1, 1234)
-    assert all(a is b for a, b in zip(call[9:14], (q2, k, v, out, lse)))
-    assert call[14:] == (*launched[0][5:], "tail")      # everything else as at the first launch
+    assert all(a is b for a, b in zip(call[9:15], (q2, k, v, out, lse, lse)))
+    assert call[15:] == (*launched[0][6:], "tail")      # everything else as at the first launch
 
-    # A misaligned query: another plan, launched anew; a later call like it replays after
-    # the full check of its tensors' classes (its plan only knows that one is misaligned).
+    # A misaligned query: the same plan, but its replay refuses tensors Triton would
+    # specialize otherwise, so it launches anew; a later call like it replays.
     qm = _misaligned(q)
     flexgen.flex_attention(qm, k, v)
     assert len(launched) == 2
@@ -390,11 +425,11 @@ def test_a_forward_replay_checks_the_new_outputs_alignment(fake_gpu, monkeypatch
     launched = _fake_forward_launches(kernel, monkeypatch)
     q, k, v = (torch.randn(1, 2, 40, 32) for _ in range(3))
     flexgen.flex_attention(q, k, v)
-    empty = torch.empty
+    empty_strided = torch.empty_strided
 
-    def misaligned_empty(*size, dtype=None, device=None):
-        return _misaligned(empty(*size, dtype=dtype, device=device))
+    def misaligned_empty(size, stride, dtype=None, device=None):
+        return _misaligned(empty_strided(size, stride, dtype=dtype, device=device))
     with monkeypatch.context() as m:
-        m.setattr(torch, "empty", misaligned_empty)
+        m.setattr(torch, "empty_strided", misaligned_empty)
         flexgen.flex_attention(q, k, v)
     assert len(launched) == 2 and kernel.compiled.calls == []

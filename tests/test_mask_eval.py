@@ -15,7 +15,7 @@ import torch.utils._python_dispatch
 
 from flexgen import create_block_mask
 
-from flexgen.masks import block_mask
+from flexgen.masks import builder
 
 from flexgen.masks import bounds
 
@@ -131,7 +131,7 @@ def dense_states(mask_mod, B, H, Q_LEN, KV_LEN, q_block, kv_block):
 def by_kernel(monkeypatch, lowered, traced, blocks, *sizes):
     """create_block_mask's kernel path, forced, as int8 states (its [partial, full] rows combined)."""
     monkeypatch.setattr(mask_eval, "TORCH_MAX_ELEMENTS", -1)
-    partial, full = block_mask._classify_undecided(lowered, traced, blocks, *sizes)
+    partial, full = builder._classify_undecided(lowered, traced, blocks, *sizes)
     assert bool(((partial == 0) | (full == 0)).all()), "a block both partial and full"
     return (partial + 2 * full).to(torch.int8)
 

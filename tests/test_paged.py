@@ -233,7 +233,7 @@ def test_page_table_grows_in_place_between_steps():
 def test_user_page_table_changed_in_place():
     """decode_attention on a caller's int64 page table: converted on every call, never cached,
     so pages moved (and the table rewritten in place) between two calls are followed."""
-    from flexgen.kernels.decode import decode_attention
+    from flexgen.api import decode_attention
     Hkv, Hq, D = 2, 4, 32
     cache = make_cache(16, num_pages=12, max_batch=2, seed=8)
     track = Tracker(cache)
@@ -333,7 +333,7 @@ def test_splits_read_only_their_pages(page_size, with_block_mask):
     whose second tile lies past the sequence. Every table entry past a sequence's pages and
     every unused slot of its last page point at NaN keys and values: one read unmasked, and
     the output is NaN."""
-    from flexgen.kernels.decode import decode_attention
+    from flexgen.api import decode_attention
     Hkv, group, D = 2, 4, 32
     lengths = [3 * page_size + 70, 64, 1]
     B, W = len(lengths), max(-(-n // page_size) for n in lengths)

@@ -18,6 +18,7 @@ import flexgen
 from flexgen import FlexgenError, InputError, TraceError, create_block_mask, flex_attention
 from flexgen.frontend.trace import trace
 from conftest import make_qkv, run_and_check
+from flexgen.reference import flex_attention_reference
 
 
 def causal(b, h, q_idx, kv_idx):
@@ -163,10 +164,11 @@ def test_float_index_into_captured_tensor():
     assert_trace_error(float_index, "score_mod", "//")
 
 
-@pytest.mark.parametrize("index", ["slice", "none", "tensor"])
+@pytest.mark.parametrize("index", ["slice", "none", "tensor", "float 0-d tensor"])
 def test_bad_index_kinds(index):
     bias = torch.randn(4, 64)
-    idx = {"slice": slice(None), "none": None, "tensor": torch.tensor(1)}[index]
+    idx = {"slice": slice(None), "none": None, "tensor": torch.tensor([1]),
+           "float 0-d tensor": torch.tensor(1.0)}[index]
 
     def bad_index(score, b, h, q_idx, kv_idx):
         return score + bias[idx, kv_idx]
@@ -183,13 +185,22 @@ def test_captured_tensor_wrong_rank_unindexed():
     assert_trace_error(unindexed, "score_mod", "[4]", "bias[h, q_idx]")
 
 
-def test_captured_tensor_wrong_number_of_indices():
+def test_captured_tensor_partly_indexed_used_as_a_value():
     table = torch.randn(4, 8)
 
     def one_index(score, b, h, q_idx, kv_idx):
         return score + table[h]
 
-    assert_trace_error(one_index, "score_mod", "2 indices")
+    assert_trace_error(one_index, "score_mod", "partly indexed", "shape [8] left", "bias[b][q_idx]")
+
+
+def test_captured_tensor_too_many_indices():
+    table = torch.randn(4, 8)
+
+    def three_indices(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx, kv_idx]
+
+    assert_trace_error(three_indices, "score_mod", "3 indices", "at most 2")
 
 
 def test_captured_complex_tensor():
@@ -453,21 +464,19 @@ def test_captured_tensor_on_another_device():  # pragma: no cover
 # --- the trace memo (trace_cached) ----------------------------------------------------------
 
 def test_trace_cached_follows_what_the_mod_reads():
-    """A repeated mod comes back from the memo (trace_cached's shortcut past the fingerprint);
-    anything it reads that changes (a global, a closure cell, its code) traces it again."""
+    """A repeated mod comes back from the memo; anything it reads that changes (a global, a
+    closure cell, its code) traces it again."""
     from flexgen.frontend import trace as T
 
     scope = {"torch": torch, "SCALE": 2.0}
     exec("def scaled(score, b, h, q_idx, kv_idx):\n    return torch.tanh(score * SCALE)", scope)
     mod = scope["scaled"]
     first = T.trace_cached(mod, "score_mod")
-    assert T.trace_cached(mod, "score_mod") is first and T._RECENT[id(mod)][4] is first
+    assert T.trace_cached(mod, "score_mod") is first
     scope["SCALE"] = 3.0                                    # a global rebound
     second = T.trace_cached(mod, "score_mod")
-    assert second is not first and str(second.root) != str(first.root)
+    assert second is not first and second.graph != first.graph
     assert T.trace_cached(mod, "score_mod") is second
-    scope["SCALE"] = 2.0                                    # back: the earlier fingerprint
-    assert T.trace_cached(mod, "score_mod") is first
 
     def make(x):
         def closed(score, b, h, q_idx, kv_idx):
@@ -485,7 +494,7 @@ def test_trace_cached_follows_what_the_mod_reads():
     first = T.trace_cached(closed, "score_mod")
     assert T.trace_cached(closed, "score_mod") is first
     rebind(5.0)                                             # a closure cell rebound
-    assert T.trace_cached(closed, "score_mod") is not first
+    assert T.trace_cached(closed, "score_mod").graph != first.graph
     drop()                                                  # a cell emptied: the mod now fails
     with pytest.raises(TraceError):
         T.trace_cached(closed, "score_mod")
@@ -494,12 +503,11 @@ def test_trace_cached_follows_what_the_mod_reads():
         return score - 1.0
     plain = T.trace_cached(other, "score_mod")
     other.__code__ = (lambda score, b, h, q_idx, kv_idx: score + 1.0).__code__
-    assert T.trace_cached(other, "score_mod") is not plain  # new code, same function object
+    assert T.trace_cached(other, "score_mod").graph != plain.graph  # new code, same function
 
 
-def test_trace_cached_walks_helpers_every_call():
-    """A mod that calls a helper function is fingerprinted in full on every call (the
-    shortcut covers only what a mod reads directly): the helper's globals count too."""
+def test_trace_cached_follows_helpers():
+    """A helper the mod calls counts with what it reads (its globals too)."""
     from flexgen.frontend import trace as T
 
     scope = {"SCALE": 2.0}
@@ -507,6 +515,66 @@ def test_trace_cached_walks_helpers_every_call():
          "def mod(score, b, h, q_idx, kv_idx):\n    return helper(score)", scope)
     mod = scope["mod"]
     first = T.trace_cached(mod, "score_mod")
-    assert id(mod) not in T._RECENT and T.trace_cached(mod, "score_mod") is first
+    assert T.trace_cached(mod, "score_mod") is first
     scope["SCALE"] = 4.0
-    assert T.trace_cached(mod, "score_mod") is not first
+    assert T.trace_cached(mod, "score_mod").graph != first.graph
+
+
+class _Config:
+    scale = 2.0
+
+
+def _stale_cases():
+    """(name, mod, change): after ``change()`` the mod computes something else."""
+    import types
+    module = types.ModuleType("user_config")
+    module.scale = 2.0
+
+    def module_attr(score, b, h, q_idx, kv_idx):
+        return score * module.scale
+
+    def class_attr(score, b, h, q_idx, kv_idx):
+        return score * _Config.scale
+
+    def kw_default(score, b, h, q_idx, kv_idx, *, scale=2.0):
+        return score * scale
+
+    def default(score, b, h, q_idx, kv_idx, scale=2.0):
+        return score * scale
+
+    config = {"scale": 2.0}
+
+    def held_dict(score, b, h, q_idx, kv_idx):
+        return score * config["scale"]
+
+    def set_kw():
+        kw_default.__kwdefaults__["scale"] = 3.0
+
+    def set_default():
+        default.__defaults__ = (3.0,)
+
+    def set_class():
+        _Config.scale = 3.0
+
+    return [("module attribute", module_attr, lambda: setattr(module, "scale", 3.0)),
+            ("class attribute", class_attr, set_class),
+            ("keyword-only default", kw_default, set_kw),
+            ("default", default, set_default),
+            ("a dict in a closure", held_dict, lambda: config.update(scale=3.0))]
+
+
+@pytest.mark.parametrize("case", range(5), ids=[c[0] for c in _stale_cases()])
+def test_no_stale_trace_after_what_the_mod_reads_changes(case):
+    """Whatever a mod reads — a module or class attribute, a default, a dict it holds —
+    a change makes the next call trace it again (or the memo never kept it): the kernel
+    computes with the new value, end to end."""
+    name, mod, change = _stale_cases()[case]
+    _Config.scale = 2.0
+    q, k, v = make_qkv(B=1, H=1, L=24)
+    first = flex_attention(q, k, v, score_mod=mod)
+    change()
+    again = flex_attention(q, k, v, score_mod=mod)
+    want = flex_attention_reference(q, k, v, score_mod=lambda s, b, h, qi, kv: s * 3.0)
+    torch.testing.assert_close(again.double(), want, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(first, again)
+    _Config.scale = 2.0

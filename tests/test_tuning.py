@@ -44,7 +44,7 @@ def _spec(**fields):
 
 
 def _inputs(q_len=1000, kv_len=1000, B=2, H=4):
-    return (torch.empty(B, H, q_len, 64), torch.empty(B, H, kv_len, 64))
+    return dict(q=torch.empty(B, H, q_len, 64), k=torch.empty(B, H, kv_len, 64))
 
 
 @pytest.fixture
@@ -244,10 +244,11 @@ def test_autotune_on_the_gpu(fresh_store, monkeypatch):
 
 def test_flex_attention_reads_the_table_with_its_own_dtype_names(monkeypatch):
     """The planning code and the table must agree on the key (a dtype spelled differently never matches)."""
-    from flexgen import api
+    from flexgen.runtime.options import parse_options
+    from flexgen.runtime.plan import tiles
     monkeypatch.setattr(tuning, "gpu_name", lambda device: "H100")
     for dtype in (torch.bfloat16, torch.float16):
-        opts = api._options("forward", None, 128, DTYPES[dtype], CUDA, 128, 128)
+        opts = tiles("forward", parse_options(None), "", 128, DTYPES[dtype], CUDA, 128, 128)
         assert opts == tuning.TUNED[("forward", "H100", "bfloat16", 128)]
 
 
@@ -266,10 +267,10 @@ def test_tiles_that_do_not_fit_step_down(monkeypatch):
     monkeypatch.setattr(launch, "_launch_once", launch_once)
     monkeypatch.setattr(launch, "_FITS", {})
     spec = _spec(block_m=128, block_n=128, num_stages=3)
-    launch._launch(spec, CUDA, ())
+    launch._launch(spec, CUDA, {})
     assert tried == [(128, 128, 3), (128, 128, 2), (128, 64, 2)]
     tried.clear()
-    launch._launch(spec, CUDA, ())
+    launch._launch(spec, CUDA, {})
     assert tried == [(128, 64, 2)], "the second call goes straight to the tiles that fit"
 
     # The autotuner's launches do not step down: a candidate that does not fit must fail.
@@ -280,7 +281,7 @@ def test_tiles_that_do_not_fit_step_down(monkeypatch):
     monkeypatch.setattr(tuning, "choose", choose)
     tried.clear()
     with flexgen.autotune():
-        launch.run(spec, CUDA, tune_blocks=(128, 128))
+        launch.run(spec, CUDA, {}, tune_blocks=(128, 128))
     assert tried == [(128, 128, 3), (128, 32, 3)]
 
 

@@ -120,3 +120,8 @@ def load(spec: KernelSpec, interpret: bool):
                 module_spec.loader.exec_module(module)
             _MODULES[cache_key] = module
     return module
+
+
+def clear_memos() -> None:
+    """Forget the loaded modules (the next call loads them again, from the verified disk cache)."""
+    _MODULES.clear()

@@ -19,7 +19,7 @@ import triton
 from .. import __version__
 from ..codegen.printer import Snippet
 
-TEMPLATE_VERSIONS = {"forward": 2, "block_mask": 1,
+TEMPLATE_VERSIONS = {"forward": 3, "block_mask": 1,
                      "decode": 1, "decode_merge": 1, "paged_write": 1,
                      "backward": 2}
 
@@ -97,7 +97,8 @@ def dot_precision(query: torch.Tensor) -> str:
     return "tf32" if tf32 else "ieee"
 
 
-def _tma_strides_ok(shape, strides, itemsize) -> bool:
+def tma_layout_ok(shape, strides, itemsize) -> bool:
+    """Whether TMA can step through a [B, H, L, D] layout (the base's alignment aside)."""
     # A dim of size 1 is never stepped: its stride does not matter (the descriptor gets a
     # valid one, see _descriptor in common.py.jinja). A stepped dim needs a positive stride
     # in 16-byte units: an expanded tensor (stride 0) takes the pointer kernel.
@@ -109,31 +110,15 @@ def _tma_strides_ok(shape, strides, itemsize) -> bool:
 def tma_addressable(t: torch.Tensor) -> bool:
     """Whether a [B, H, L, D] tensor can back a TMA descriptor: a 16-byte-aligned base, a
     contiguous last dim, and every stepped dim's stride a positive multiple of 16 bytes."""
-    return t.data_ptr() % 16 == 0 and _tma_strides_ok(t.shape, t.stride(), t.element_size())
+    return t.data_ptr() % 16 == 0 and tma_layout_ok(t.shape, t.stride(), t.element_size())
 
 
 @functools.lru_cache(maxsize=None)
-def _has_tma(device: torch.device) -> bool:
+def has_tma(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can use TMA descriptors (sm_90+; the interpreter emulates them)."""
     if device.type != "cuda":
         return True      # the interpreter emulates descriptors (tests run the TMA kernel on CPU)
     return torch.cuda.get_device_capability(device) >= (9, 0)
-
-
-def tma_supported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether the forward kernel can address query, key, value and its output with TMA.
-
-    Tensors are ``[B, H, L, D]``. TMA needs a device that has it (sm_90+) and
-    tensors it can address (``tma_addressable``); the output flexgen allocates
-    (contiguous, value's head dim) must pass too. Where one fails the pointer
-    kernel runs instead.
-    """
-    if not _has_tma(query.device):
-        return False
-    if not all(map(tma_addressable, (query, key, value))):
-        return False
-    B, H, L, _ = query.shape
-    Dv = value.shape[3]
-    return _tma_strides_ok((B, H, L, Dv), (H * L * Dv, L * Dv, Dv, 1), query.element_size())
 
 
 _SPECS: dict = {}
@@ -152,3 +137,7 @@ def kernel_spec(template: str, **fields) -> KernelSpec:
             _SPECS.clear()
         spec = _SPECS[memo] = KernelSpec(template, **fields)
     return spec
+
+
+def clear_memos() -> None:
+    _SPECS.clear()

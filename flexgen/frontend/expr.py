@@ -22,7 +22,7 @@ import sympy
 import torch
 from sympy.core.function import UndefinedFunction
 
-from ..frontend.trace import Node, Traced
+from .trace import Node, TracedMod
 
 SCORE = sympy.Symbol("score", real=True)
 INDEX_SYMBOLS = {n: sympy.Symbol(n, integer=True, nonnegative=True)
@@ -131,7 +131,7 @@ def _linear_ok(a, b) -> bool:
 class _Converter:
     """Node graph -> sympy, memoized per node (graphs are DAGs)."""
 
-    def __init__(self, traced: Traced, prefix: str):
+    def __init__(self, traced: TracedMod, prefix: str):
         self.prefix = prefix
         self.buffers = traced.buffers
         self.memo: dict[int, sympy.Basic] = {}
@@ -180,6 +180,11 @@ class _Converter:
     def op_sigmoid(self, node, a): return Sigmoid(self._num(a))
     def op_sin(self, node, a): return sympy.sin(self._num(a))
     def op_cos(self, node, a): return sympy.cos(self._num(a))
+    def op_tan(self, node, a): return sympy.tan(self._num(a))
+    def op_silu(self, node, a): return self._num(a) * Sigmoid(self._num(a))
+    def op_relu(self, node, a): return sympy.Max(self._num(a), 0)
+    def op_shl(self, node, a, b): return self._num(a) * sympy.Integer(2) ** self._num(b)
+    def op_shr(self, node, a, b): return sympy.floor(self._num(a) / sympy.Integer(2) ** self._num(b))
     def op_minimum(self, node, a, b): return self._minmax(sympy.Min, sympy.And, node, a, b)
     def op_maximum(self, node, a, b): return self._minmax(sympy.Max, sympy.Or, node, a, b)
 
@@ -229,7 +234,7 @@ class _Converter:
         return sympy.Piecewise((self._num(a), cond), (self._num(b), True))
 
 
-def to_sympy(traced: Traced, prefix: str):
+def to_sympy(traced: TracedMod, prefix: str):
     """The canonical sympy expression of a traced mod.
 
     ``prefix`` ("s" for score_mod, "m" for mask_mod) names its buffers, so a

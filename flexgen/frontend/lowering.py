@@ -13,7 +13,7 @@ import sympy
 from ..codegen.printer import Snippet, print_snippet
 from ..frontend.expr import canonical_text, to_sympy
 from ..codegen.spec import BufferSig
-from ..frontend.trace import Traced
+from ..frontend.trace import TracedMod
 
 PREFIX = {"score_mod": "s", "mask_mod": "m"}
 
@@ -34,7 +34,7 @@ class LoweredMod:
 _LOWERED: dict = {}
 
 
-def lower(traced: Traced) -> LoweredMod:
+def lower(traced: TracedMod) -> LoweredMod:
     """Canonical expression, snippet and buffer signatures of ``traced``."""
     hit = _LOWERED.get(traced.signature)
     if hit is None:
@@ -43,11 +43,17 @@ def lower(traced: Traced) -> LoweredMod:
         snippet = print_snippet(expr, f"{prefix}_")
         buffers = tuple(BufferSig(f"{prefix}buf{i}", t.dim(), str(t.dtype).replace("torch.", ""))
                         for i, t in enumerate(traced.buffers))
+        if len(_LOWERED) >= 4096:        # mods made per call: stay bounded
+            _LOWERED.clear()
         hit = _LOWERED[traced.signature] = LoweredMod(expr, canonical_text(expr), snippet, buffers)
     return hit
 
 
-def buffer_map(traced: Traced) -> dict:
+def buffer_map(traced: TracedMod) -> dict:
     """sympy function name -> captured tensor, for the bounds evaluator."""
     prefix = PREFIX[traced.kind]
     return {f"{prefix}buf{i}": t for i, t in enumerate(traced.buffers)}
+
+
+def clear_memos() -> None:
+    _LOWERED.clear()

@@ -1,132 +1,125 @@
-"""Trace a score_mod / mask_mod into an expression graph.
+"""Trace a score_mod / mask_mod into a small program text and the tensors it captured.
 
-The mod is called once with proxy objects in place of the score and the
-indices. Every operation on a proxy records a ``Node``; the value the mod
-returns is the root of the graph. Captured tensors that the mod indexes
-(``bias[h, q_idx]``) or uses directly (a 0-d tensor) become numbered buffers:
-their values are kernel arguments, only their dtype and rank shape the kernel.
+The mod is called once with ``Proxy`` objects in place of the score and the
+indices. Every operation on a proxy appends one line to a straight-line
+program (``graph``, a str); the value the mod returns is its last line.
+Captured tensors that the mod indexes (``bias[h, q_idx]``) or uses as numbers
+(a 0-d tensor) become numbered buffers: their values are kernel arguments,
+only their dtype and rank enter the program.
 
-Every node carries the dtype torch would give the same computation (indices
-int32, the score float32, comparisons bool), so the kernel and the reference
-agree on integer versus float arithmetic.
+The text is the mod's identity everywhere downstream: the cache keys, the
+custom ops' arguments (``flexgen.runtime.ops``: a str survives ``torch.export``
+and is cheap to hash) and the sympy conversion (``parse`` turns it back into
+``Node`` objects). Tracing is plain Python over plain objects, so torch.compile
+(dynamo) traces it inline: a mod defined inside a compiled function, whose
+closure holds tensors of the graph, is traced there and its tensors become
+inputs of the op, exactly as in eager mode.
+
+Every line carries the dtype torch would give the same computation, collapsed
+to three kinds the kernel computes in: ``b`` (bool), ``i`` (int32) and ``f``
+(float32). The program's lines::
+
+    var <kind> <name>              score, b, h, q_idx or kv_idx
+    const <kind> <value>           a Python number
+    load <kind> <slot> %i %j ...   captured buffer ``slot`` at the given indices
+    <op> <kind> %a [%b [%c]]       an operation on earlier lines
+    buffer <slot> <dtype> <ndim>   (last lines) each captured tensor's signature
+    program <kind> <name>          (first line) "score_mod" or "mask_mod", the mod's name
 """
 from __future__ import annotations
 
 import inspect
 import math
+import operator
 import os
 import types
 from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import TraceError
+from ..errors import TraceError, reported
 
 SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
 MASK_ARGS = ("b", "h", "q_idx", "kv_idx")
 
-# Elementwise torch functions a mod may call, by the name torch dispatches.
-UNARY_FUNCS = {
-    "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "tanh", "sigmoid", "sin", "cos",
-    "abs", "sign", "floor", "ceil", "neg", "negative", "logical_not", "bitwise_not",
+DTYPE_OF_KIND = {"b": torch.bool, "i": torch.int32, "f": torch.float32}
+# A captured tensor's dtype -> the kind its loads compute in.
+KIND_OF_DTYPE = {
+    torch.bool: "b", torch.int8: "i", torch.int16: "i", torch.int32: "i", torch.int64: "i",
+    torch.uint8: "i", torch.float16: "f", torch.bfloat16: "f", torch.float32: "f", torch.float64: "f",
 }
-BINARY_FUNCS = {
-    "add": "add", "sub": "sub", "subtract": "sub", "mul": "mul", "multiply": "mul",
-    "div": "truediv", "divide": "truediv", "true_divide": "truediv",
-    "floor_divide": "floordiv", "remainder": "mod", "pow": "pow",
-    "minimum": "minimum", "maximum": "maximum",
-    "logical_and": "and", "logical_or": "or", "logical_xor": "xor",
-    "bitwise_and": "and", "bitwise_or": "or", "bitwise_xor": "xor",
-    "eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge",
-    "greater": "gt", "greater_equal": "ge", "less": "lt", "less_equal": "le",
-    "not_equal": "ne",
-}
-# Tensor dunder methods reach __torch_function__ when a captured tensor is on
-# the left of an operator and a proxy on the right.
-DUNDERS = {
-    "__add__": ("add", False), "__radd__": ("add", True),
-    "__sub__": ("sub", False), "__rsub__": ("sub", True),
-    "__mul__": ("mul", False), "__rmul__": ("mul", True),
-    "__truediv__": ("truediv", False), "__rtruediv__": ("truediv", True),
-    "__div__": ("truediv", False), "__rdiv__": ("truediv", True),
-    "__floordiv__": ("floordiv", False), "__rfloordiv__": ("floordiv", True),
-    "__mod__": ("mod", False), "__rmod__": ("mod", True),
-    "__pow__": ("pow", False), "__rpow__": ("pow", True),
-    "__and__": ("and", False), "__rand__": ("and", True),
-    "__or__": ("or", False), "__ror__": ("or", True),
-    "__xor__": ("xor", False), "__rxor__": ("xor", True),
-    "__eq__": ("eq", False), "__ne__": ("ne", False),
-    "__lt__": ("lt", False), "__le__": ("le", False),
-    "__gt__": ("gt", False), "__ge__": ("ge", False),
-}
-COMPARISONS = {"eq", "ne", "lt", "le", "gt", "ge"}
-CASTS = {"float": torch.float32, "double": torch.float32, "half": torch.float32,
-         "bfloat16": torch.float32, "int": torch.int32, "long": torch.int32, "bool": torch.bool}
+DTYPE_NAMES = {dt: str(dt).replace("torch.", "") for dt in KIND_OF_DTYPE}
+_RANK = {"b": 0, "i": 1, "f": 2}
 
-
-@dataclass(frozen=True, eq=False)
-class Node:
-    """One operation. ``args`` holds child Nodes or plain Python values."""
-    op: str
-    args: tuple
-    dtype: torch.dtype
-    key: tuple = field(init=False, repr=False)
-
-    def __post_init__(self):
-        object.__setattr__(self, "key", (self.op, str(self.dtype)) + _key(self.args))
-
-
-def _key(value):
-    """A hashable, value-based key: equal graphs give equal keys."""
-    if isinstance(value, Node):
-        return value.key
-    if isinstance(value, tuple):
-        return tuple(_key(v) for v in value)
-    if isinstance(value, float) and math.isnan(value):
-        return ("float", "nan")
-    return (type(value).__name__, repr(value))
+UNARY = ("exp", "exp2", "log", "log2", "sqrt", "rsqrt", "tanh", "sigmoid", "sin", "cos", "tan",
+         "abs", "sign", "floor", "ceil", "neg", "not", "bitnot", "silu", "relu")
+BINARY = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "minimum", "maximum",
+          "and", "or", "xor", "shl", "shr", "eq", "ne", "lt", "le", "gt", "ge")
+COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
 
 
 @dataclass(frozen=True)
-class Traced:
-    """The result of tracing one mod."""
+class TracedMod:
+    """A traced mod: its program text and the captured tensors, in slot order."""
     kind: str                  # "score_mod" or "mask_mod"
     name: str                  # the mod's name, for messages
-    root: Node
+    graph: str                 # the program (see the module docstring)
     buffers: tuple             # captured tensors, in slot order
+    derived: bool = False      # some buffer was computed while tracing (a reduction of a
+                               # captured tensor): the trace must not outlive this call
 
     @property
-    def signature(self) -> tuple:
-        """What the kernel depends on: the graph and each buffer's dtype and rank."""
-        return (self.kind, self.root.key,
-                tuple((str(t.dtype), t.dim()) for t in self.buffers))
+    def signature(self) -> str:
+        """What a kernel depends on: the program, buffer signatures included."""
+        return self.graph
 
+    @classmethod
+    def from_graph(cls, graph: str, buffers) -> "TracedMod":
+        """The traced mod a program text and its captured tensors stand for (what ops carry)."""
+        kind, name = parse(graph)[:2]
+        return cls(kind, name, graph, tuple(buffers))
+
+
+# ---------------------------------------------------------------------------- the tracer
 
 class _Tracer:
-    """Per-trace state: the mod (for messages) and the captured buffers."""
+    """Per-trace state: the program's lines and the captured buffers."""
 
-    def __init__(self, mod, kind):
-        self.mod, self.kind = mod, kind
+    def __init__(self, mod, kind: str):
+        self.kind = kind
         self.name = getattr(mod, "__name__", type(mod).__name__)
-        self.buffers: list[torch.Tensor] = []
-        self._slots: dict[int, int] = {}
+        # The name rides along for messages (a backward planned from the text alone names
+        # the mod); kernels key on the lowered form, where it plays no part.
+        self.lines = [f"program {kind} {''.join(self.name.split()) or '?'}"]
+        self.index = {}            # line -> its number (identical lines are one node)
+        self.buffers = []
+        self.derived = False
 
-    def buffer_slot(self, t: torch.Tensor) -> int:
-        if id(t) not in self._slots:
-            self._slots[id(t)] = len(self.buffers)
-            self.buffers.append(t)
-        return self._slots[id(t)]
+    def node(self, line: str) -> int:
+        found = self.index.get(line)
+        if found is None:
+            found = len(self.lines)
+            self.lines.append(line)
+            self.index[line] = found
+        return found
+
+    def slot(self, t) -> int:
+        for i, known in enumerate(self.buffers):
+            if known is t:
+                return i
+        self.buffers.append(t)
+        return len(self.buffers) - 1
 
     def fail(self, what: str, fix: str) -> TraceError:
-        return TraceError(f"{self.kind} '{self.name}'{_user_location()}: {what}. Fix: {fix}")
-
-
-_ACTIVE: list[_Tracer] = []
+        """The TraceError to raise (raised right here while torch.compile traces: ``reported``)."""
+        return reported(TraceError(f"{self.kind} '{self.name}'{_user_location()}: {what}. Fix: {fix}"))
 
 
 def _user_location() -> str:
-    """' (file.py:12: `source line`)' for the innermost frame of user code."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    """' (file.py:12: `source line`)' for the innermost frame of user code (eager only)."""
+    if torch.compiler.is_compiling():
+        return ""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
     for frame in inspect.stack(context=1)[2:]:
         path = os.path.abspath(frame.filename)
@@ -139,202 +132,80 @@ def _user_location() -> str:
     return ""
 
 
-def _tracer() -> _Tracer:
-    return _ACTIVE[-1]
-
-
-def _example(value):
-    """What torch.result_type needs to mimic promotion for ``value``."""
-    if isinstance(value, Proxy):
-        zero_d = value.node.op == "load" and value.node.args[1] == ()
-        return torch.empty(() if zero_d else (1,), dtype=value.node.dtype)
-    return value
-
-
-def _promote(a, b) -> torch.dtype:
-    """torch's result dtype for an elementwise op of two proxies, tensors or numbers."""
-    ea, eb = _example(a), _example(b)
-    if not isinstance(ea, torch.Tensor) and not isinstance(eb, torch.Tensor):
-        ea = torch.tensor(ea)
-    return _kernel_dtype(torch.result_type(ea, eb))
-
-
-def _kernel_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Collapse torch dtypes to the three kinds the kernel computes in."""
-    if dtype == torch.bool:
-        return torch.bool
-    if dtype.is_floating_point:
-        return torch.float32
-    if dtype.is_complex:
-        raise _tracer().fail(f"complex values ({dtype}) are not supported", "use real tensors")
-    return torch.int32
-
-
-def _node(value) -> Node:
-    """A Node for a proxy, a captured 0-d tensor, or a Python number."""
-    if isinstance(value, Proxy):
-        return value.node
-    if isinstance(value, torch.Tensor):
-        return _capture(value, ()).node
-    if isinstance(value, bool):
-        return Node("const", (value,), torch.bool)
-    if isinstance(value, int):
-        return Node("const", (value,), torch.int32)
-    if isinstance(value, float):
-        return Node("const", (value,), torch.float32)
-    raise _tracer().fail(f"a value of type {type(value).__name__} ({value!r}) was combined "
-                         "with a traced value", "use Python numbers, tensors, or traced values")
-
-
-def _capture(t: torch.Tensor, indices: tuple) -> "Proxy":
-    tracer = _tracer()
-    if isinstance(t, Proxy):
-        raise tracer.fail("a traced value was indexed", "index captured tensors only")
-    if len(indices) != t.dim():
-        if not indices:
-            raise tracer.fail(f"a captured tensor of shape {list(t.shape)} was used as a value",
-                              "index it with traced positions (e.g. bias[h, q_idx]) "
-                              "or capture a 0-d tensor or a Python number")
-        raise tracer.fail(f"a captured tensor of shape {list(t.shape)} was indexed with "
-                          f"{len(indices)} indices", f"give exactly {t.dim()} indices, one per dimension")
-    if t.is_complex() or t.dtype not in _LOADABLE:
-        raise tracer.fail(f"captured tensor dtype {t.dtype} is not supported",
-                          "use a bool, integer or floating tensor")
-    nodes = []
-    for i, idx in enumerate(indices):
-        if isinstance(idx, (slice, type(None), type(Ellipsis))) or (
-                isinstance(idx, torch.Tensor) and not isinstance(idx, Proxy)):
-            raise tracer.fail(f"index {i} of a captured tensor is {idx!r}",
-                              "index with traced integer positions or Python ints only")
-        n = _node(idx)
-        if n.dtype != torch.int32:
-            raise tracer.fail(f"index {i} of a captured tensor has dtype {n.dtype}",
-                              "indices must be integers: use // instead of /, or "
-                              ".to(torch.int32) after torch.floor")
-        nodes.append(n)
-    slot = tracer.buffer_slot(t)
-    return Proxy(Node("load", (slot, tuple(nodes)), _kernel_dtype(t.dtype)))
-
-
-_LOADABLE = {torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
-             torch.float16, torch.bfloat16, torch.float32, torch.float64}
-
-
-def _binary(op: str, a, b) -> "Proxy":
-    na, nb = _node(a), _node(b)
-    if op in COMPARISONS:
-        return Proxy(Node(op, (na, nb), torch.bool))
-    dtype = _promote(a, b)
-    if op in ("and", "or", "xor"):
-        if dtype == torch.float32:
-            raise _tracer().fail(f"'{op}' of float values", "compare first, then combine the bools with & | ^")
-    elif op == "truediv" or (op == "pow" and dtype == torch.int32 and isinstance(b, (int, Proxy))
-                             and _negative_const(nb)):
-        dtype = torch.float32
-    elif dtype == torch.bool:
-        # torch keeps bool + bool and bool * bool as bool: logical or / and.
-        if op in ("add", "mul"):
-            return Proxy(Node("or" if op == "add" else "and", (na, nb), torch.bool))
-        if op == "sub":
-            raise _tracer().fail("subtraction of two bools (torch refuses it too)",
-                                 "use ^ (logical xor) or & ~ (and not)")
-        dtype = torch.int32 if op not in ("minimum", "maximum") else torch.bool
-    return Proxy(Node(op, (na, nb), dtype))
-
-
-def _negative_const(n: Node) -> bool:
-    return n.op == "const" and n.args[0] < 0
-
-
-def _unary(op: str, x) -> "Proxy":
-    n = _node(x)
-    if op in ("neg", "negative"):
-        return Proxy(Node("neg", (n,), n.dtype))
-    if op in ("logical_not",):
-        return Proxy(Node("not", (_as_bool(n),), torch.bool))
-    if op in ("invert", "bitwise_not"):
-        if n.dtype == torch.float32:
-            raise _tracer().fail("~ of a float value", "use ~ on bools (comparisons) or integers")
-        return Proxy(Node("not" if n.dtype == torch.bool else "bitnot", (n,), n.dtype))
-    if op in ("abs", "sign", "floor", "ceil"):
-        dtype = torch.int32 if n.dtype == torch.bool else n.dtype
-        return Proxy(Node(op, (n,), dtype))
-    return Proxy(Node(op, (n,), torch.float32))
-
-
-def _as_bool(n: Node) -> Node:
-    return n if n.dtype == torch.bool else Node("ne", (n, Node("const", (0,), torch.int32)), torch.bool)
-
-
-def _where(cond, a, b) -> "Proxy":
-    c = _node(cond)
-    if c.dtype != torch.bool:
-        raise _tracer().fail("torch.where's condition is not a bool", "pass a comparison as the condition")
-    dtype = _promote(a, b)
-    return Proxy(Node("where", (c, _node(a), _node(b)), dtype))
-
-
-def _clamp(x, min=None, max=None) -> "Proxy":
-    out = x
-    if min is not None:
-        out = _binary("maximum", out, min)
-    if max is not None:
-        out = _binary("minimum", out, max)
-    if not isinstance(out, Proxy):
-        out = Proxy(_node(out))
-    return out
-
-
-def _cast(x, dtype) -> "Proxy":
-    n = _node(x)
-    if not isinstance(dtype, torch.dtype):
-        raise _tracer().fail(f".to({dtype!r})", "cast with a torch dtype, e.g. .to(torch.int32)")
-    target = _kernel_dtype(dtype)
-    if target == n.dtype:
-        return Proxy(n)
-    if target == torch.bool:
-        return Proxy(_as_bool(n))
-    return Proxy(Node("cast", (n,), target))
-
-
 class Proxy:
-    """Stands in for the score or an index while a mod is traced."""
+    """Stands in for the score or an index (or any value computed from them) while a mod is traced."""
 
-    __slots__ = ("node",)
+    def __init__(self, tracer: _Tracer, node: int, kind: str):
+        self._tracer, self._node, self._kind = tracer, node, kind
 
-    def __init__(self, node: Node):
-        self.node = node
-
-    # --- what cannot be traced -------------------------------------------------
+    # --- what cannot be traced -------------------------------------------------------
     def __bool__(self):
-        raise _tracer().fail(
+        raise self._tracer.fail(
             "Python control flow (if / and / or / not / bool()) depends on a traced value",
             "use torch.where(cond, a, b) instead of if/else, and & | ~ instead of and / or / not")
 
     def __int__(self):
-        raise _tracer().fail("int() of a traced value", "keep it a tensor; use // for integer division")
+        raise self._tracer.fail("int() of a traced value", "keep it a tensor; use // for integer division")
 
     def __float__(self):
-        raise _tracer().fail("float() (or a math.* function) of a traced value",
-                             "use the torch function instead (torch.exp, torch.tanh, ...)")
+        raise self._tracer.fail("float() (or a math.* function) of a traced value",
+                                "use the torch function instead (torch.exp, torch.tanh, ...)")
 
     __index__ = __int__
 
     def __iter__(self):
-        raise _tracer().fail("iteration over a traced value", "a traced value is one element; do not loop over it")
+        raise self._tracer.fail("iteration over a traced value",
+                                "a traced value is one element; do not loop over it")
+
+    def __len__(self):
+        raise self._tracer.fail("len() of a traced value", "a traced value is one element (shape ())")
 
     def __setitem__(self, key, value):
-        raise _tracer().fail("item assignment on a traced value", "return a new value instead")
+        raise self._tracer.fail("item assignment on a traced value", "return a new value instead")
 
     def __getitem__(self, key):
-        raise _tracer().fail("indexing a traced value", "index captured tensors, not the score or the indices")
+        if key is Ellipsis or (isinstance(key, tuple) and not key):
+            return self
+        raise self._tracer.fail("indexing a traced value",
+                                "index captured tensors, not the score or the indices")
+
+    def item(self):
+        raise self._tracer.fail(".item() of a traced value", "keep it a tensor")
 
     def __repr__(self):
-        return f"Proxy({self.node.op}, {self.node.dtype})"
+        return f"Proxy(%{self._node}, {DTYPE_OF_KIND[self._kind]})"
 
     __hash__ = object.__hash__
 
-    # --- arithmetic ---------------------------------------------------------------
+    # --- attributes torch code reads -----------------------------------------------------
+    @property
+    def dtype(self):
+        return DTYPE_OF_KIND[self._kind]
+
+    @property
+    def device(self):
+        # Mask code moves values between devices (``x.to(result.device)``): a traced value
+        # lives wherever the kernel runs, so any device is this one.
+        return torch.device("meta")
+
+    @property
+    def shape(self):
+        return torch.Size([])
+
+    def size(self, dim=None):
+        if dim is not None:
+            raise self._tracer.fail(f".size({dim}) of a traced value", "a traced value has shape ()")
+        return torch.Size([])
+
+    def dim(self):
+        return 0
+
+    ndim = property(dim)
+
+    def numel(self):
+        return 1
+
+    # --- arithmetic and comparisons --------------------------------------------------
     def __add__(self, o): return _binary("add", self, o)
     def __radd__(self, o): return _binary("add", o, self)
     def __sub__(self, o): return _binary("sub", self, o)
@@ -349,84 +220,596 @@ class Proxy:
     def __rmod__(self, o): return _binary("mod", o, self)
     def __pow__(self, o): return _binary("pow", self, o)
     def __rpow__(self, o): return _binary("pow", o, self)
-    def __neg__(self): return _unary("neg", self)
-    def __pos__(self): return self
-    def __abs__(self): return _unary("abs", self)
-    def __invert__(self): return _unary("invert", self)
     def __and__(self, o): return _binary("and", self, o)
     def __rand__(self, o): return _binary("and", o, self)
     def __or__(self, o): return _binary("or", self, o)
     def __ror__(self, o): return _binary("or", o, self)
     def __xor__(self, o): return _binary("xor", self, o)
     def __rxor__(self, o): return _binary("xor", o, self)
+    def __lshift__(self, o): return _binary("shl", self, o)
+    def __rlshift__(self, o): return _binary("shl", o, self)
+    def __rshift__(self, o): return _binary("shr", self, o)
+    def __rrshift__(self, o): return _binary("shr", o, self)
     def __eq__(self, o): return _binary("eq", self, o)
     def __ne__(self, o): return _binary("ne", self, o)
     def __lt__(self, o): return _binary("lt", self, o)
     def __le__(self, o): return _binary("le", self, o)
     def __gt__(self, o): return _binary("gt", self, o)
     def __ge__(self, o): return _binary("ge", self, o)
+    def __neg__(self): return _unary("neg", self)
+    def __pos__(self): return self
+    def __abs__(self): return _unary("abs", self)
+    def __invert__(self): return _invert(self)
 
-    # --- tensor-style methods (score.tanh(), q_idx.to(torch.float32), ...) ----------
+    # --- tensor methods ----------------------------------------------------------------
     def __getattr__(self, name):
-        if name.endswith("_") and not name.endswith("__"):
-            raise _tracer().fail(f"in-place method .{name}() on a traced value",
-                                 f"use the out-of-place form .{name[:-1]}()")
-        if name in UNARY_FUNCS:
-            return lambda: _unary(name, self)
-        if name in BINARY_FUNCS:
-            return lambda other: _binary(BINARY_FUNCS[name], self, other)
-        if name in ("clamp", "clip"):
-            return lambda min=None, max=None: _clamp(self, min, max)
-        if name == "where":
-            return lambda cond, other: _where(cond, self, other)
-        if name == "masked_fill":
-            return lambda mask, value: _where(mask, value, self)
-        if name == "to":
-            return lambda dtype, *a, **k: _cast(self, dtype)
-        if name in CASTS:
-            return lambda: _cast(self, CASTS[name])
-        if name == "dtype":
-            return self.node.dtype
-        raise _tracer().fail(f".{name} of a traced value is not supported",
-                             "use arithmetic, comparisons, torch.where and the elementwise "
-                             "torch functions listed in flexgen.trace.UNARY_FUNCS")
+        if name.startswith("_"):
+            raise AttributeError(name)
+        method = _METHODS.get(name)
+        if method is not None:
+            return lambda *args, **kwargs: method(self, *args, **kwargs)
+        if name.endswith("_"):
+            raise self._tracer.fail(f"in-place method .{name}() on a traced value",
+                                    f"use the out-of-place form .{name[:-1]}()")
+        raise self._tracer.fail(f".{name} of a traced value is not supported",
+                                "use arithmetic, comparisons, torch.where and the elementwise "
+                                f"torch functions ({', '.join(sorted(_FUNCTION_NAMES))})")
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", str(func))
-        if name == "__getitem__":
-            tensor, index = args
-            return _capture(tensor, index if isinstance(index, tuple) else (index,))
-        if name in DUNDERS:
-            op, reflected = DUNDERS[name]
-            a, b = args
-            return _binary(op, b, a) if reflected else _binary(op, a, b)
-        if name.endswith("_") and not name.endswith("__"):
-            raise _tracer().fail(f"in-place operation {name}() on a traced value",
-                                 f"use the out-of-place form {name[:-1]}()")
-        if name == "where":
-            return _where(*args, **kwargs)
-        if name in ("clamp", "clip"):
-            return _clamp(*args, **kwargs)
-        if name in UNARY_FUNCS and len(args) == 1 and not kwargs:
-            return _unary(name, args[0])
-        if name in ("div", "divide") and kwargs.get("rounding_mode") == "floor":
-            return _binary("floordiv", *args)
-        if name in BINARY_FUNCS and len(args) == 2 and not kwargs:
-            return _binary(BINARY_FUNCS[name], *args)
-        if name in ("to", "type"):
-            dtype = kwargs.get("dtype", args[1] if len(args) > 1 else None)
-            return _cast(args[0], dtype)
-        if name in CASTS:
-            return _cast(args[0], CASTS[name])
-        raise _tracer().fail(f"torch function '{name}' is not supported in a mod",
-                             "use arithmetic, comparisons, torch.where and the elementwise "
-                             "functions exp exp2 log log2 sqrt rsqrt tanh sigmoid sin cos abs "
-                             "sign floor ceil clamp minimum maximum")
+        return _torch_function(func, args, kwargs or {})
 
+
+class View:
+    """A captured tensor indexed with fewer indices than it has dims (``bias[b]`` of a
+    ``[B, L]`` bias): more indexing, or a reduction over what is left, makes a value."""
+
+    def __init__(self, tracer: _Tracer, tensor, indices: tuple):
+        self._tracer, self._tensor, self._indices = tracer, tensor, indices
+
+    def __getitem__(self, index):
+        more = index if isinstance(index, tuple) else (index,)
+        return _index(self._tracer, self._tensor, self._indices + more)
+
+    @property
+    def shape(self):
+        return self._tensor.shape[len(self._indices):]
+
+    def size(self, dim=None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def dim(self):
+        return self._tensor.dim() - len(self._indices)
+
+    @property
+    def dtype(self):
+        return self._tensor.dtype
+
+    def _reduce(self, name, reduce):
+        # A reduction over the dims no proxy indexes is a tensor the host can compute:
+        # x[b].sum() is x.sum(-1)[b]. It is computed at each trace (a buffer derived
+        # from x, never memoized past this call, so an in-place update of x is seen).
+        rest = tuple(range(len(self._indices), self._tensor.dim()))
+        if not rest:
+            return _index(self._tracer, self._tensor, self._indices)
+        reduced = reduce(self._tensor, rest)
+        self._tracer.derived = True
+        return _index(self._tracer, reduced, self._indices)
+
+    def sum(self):
+        return self._reduce("sum", lambda t, dims: t.sum(dim=dims))
+
+    def amax(self):
+        return self._reduce("amax", lambda t, dims: t.amax(dim=dims))
+
+    def amin(self):
+        return self._reduce("amin", lambda t, dims: t.amin(dim=dims))
+
+    def max(self):
+        return self.amax()
+
+    def min(self):
+        return self.amin()
+
+    def mean(self):
+        return self._reduce("mean", lambda t, dims: t.float().mean(dim=dims))
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise self._tracer.fail(
+            f".{name} of a partly indexed captured tensor (shape {list(self.shape)} left)",
+            "index every dimension (bias[b, q_idx], or bias[b][q_idx]), or reduce the rest "
+            "with .sum() / .max() / .min() / .mean()")
+
+    def _not_a_value(self, *args, **kwargs):
+        raise self._tracer.fail(
+            f"a partly indexed captured tensor (shape {list(self.shape)} left) was used as a value",
+            "index every dimension (bias[b, q_idx], or bias[b][q_idx]), or reduce the rest "
+            "with .sum() / .max() / .min() / .mean()")
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = _not_a_value
+    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __and__ = __or__ = _not_a_value
+    __bool__ = __float__ = __int__ = _not_a_value
+    __hash__ = object.__hash__
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _torch_function(func, args, kwargs or {})
+
+
+# ---------------------------------------------------------------------------- building lines
+
+def _tracer_of(*values) -> _Tracer | None:
+    for v in values:
+        if isinstance(v, (Proxy, View)):
+            return v._tracer
+    return None
+
+
+def _proxy(tracer: _Tracer, line: str, kind: str) -> Proxy:
+    return Proxy(tracer, tracer.node(line), kind)
+
+
+def _const(tracer: _Tracer, value) -> Proxy:
+    if isinstance(value, bool):
+        return _proxy(tracer, f"const b {int(value)}", "b")
+    if isinstance(value, int):
+        return _proxy(tracer, f"const i {value}", "i")
+    return _proxy(tracer, f"const f {float(value)!r}", "f")
+
+
+def _operand(tracer: _Tracer, value) -> Proxy:
+    """A proxy for a proxy, a captured 0-d tensor, or a Python number."""
+    if isinstance(value, Proxy):
+        return value
+    if isinstance(value, View):
+        value._not_a_value()
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0:
+            raise tracer.fail(f"a captured tensor of shape {list(value.shape)} was used as a value",
+                              "index it with traced positions (e.g. bias[h, q_idx]) "
+                              "or capture a 0-d tensor or a Python number")
+        return _index(tracer, value, ())
+    if isinstance(value, (bool, int, float)):
+        return _const(tracer, value)
+    raise tracer.fail(f"a value of type {type(value).__name__} ({value!r}) was combined "
+                      "with a traced value", "use Python numbers, tensors, or traced values")
+
+
+def _kind(value) -> str:
+    """The kind torch's promotion gives ``value``: proxies, tensors and Python numbers."""
+    if isinstance(value, Proxy):
+        return value._kind
+    if isinstance(value, torch.Tensor):
+        return KIND_OF_DTYPE.get(value.dtype, "f")
+    if isinstance(value, bool):
+        return "b"
+    if isinstance(value, int):
+        return "i"
+    return "f"
+
+
+def _promote(a, b) -> str:
+    ka, kb = _kind(a), _kind(b)
+    return ka if _RANK[ka] >= _RANK[kb] else kb
+
+
+def _line(op: str, kind: str, *operands: Proxy) -> str:
+    return f"{op} {kind} " + " ".join(f"%{p._node}" for p in operands)
+
+
+def _binary(op: str, a, b) -> Proxy:
+    tracer = _tracer_of(a, b)
+    pa, pb = _operand(tracer, a), _operand(tracer, b)
+    if op in COMPARISONS:
+        return _proxy(tracer, _line(op, "b", pa, pb), "b")
+    kind = _promote(a, b)
+    if op in ("and", "or", "xor", "shl", "shr"):
+        if kind == "f":
+            raise tracer.fail(f"'{op}' of float values",
+                              "compare first, then combine the bools with & | ^"
+                              if op in ("and", "or", "xor") else "shift integers only")
+        if op in ("shl", "shr") and kind == "b":
+            kind = "i"
+    elif op == "truediv":
+        kind = "f"
+    elif op == "pow" and kind == "i" and _negative_const(b):
+        kind = "f"
+    elif kind == "b":
+        # torch keeps bool + bool and bool * bool as bool: logical or / and.
+        if op in ("add", "mul"):
+            return _proxy(tracer, _line("or" if op == "add" else "and", "b", pa, pb), "b")
+        if op == "sub":
+            raise tracer.fail("subtraction of two bools (torch refuses it too)",
+                              "use ^ (logical xor) or & ~ (and not)")
+        if op not in ("minimum", "maximum"):
+            kind = "i"
+    return _proxy(tracer, _line(op, kind, pa, pb), kind)
+
+
+def _negative_const(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0
+
+
+def _unary(op: str, x) -> Proxy:
+    tracer = _tracer_of(x)
+    p = _operand(tracer, x)
+    if op == "neg":
+        if p._kind == "b":
+            raise tracer.fail("negation of a bool (torch refuses it too)", "use ~ for logical not")
+        return _proxy(tracer, _line("neg", p._kind, p), p._kind)
+    if op == "not":
+        return _proxy(tracer, _line("not", "b", _as_bool(p)), "b")
+    if op in ("abs", "sign", "floor", "ceil", "relu"):
+        kind = "i" if p._kind == "b" else p._kind
+        if op in ("floor", "ceil") and kind == "i":
+            return p if p._kind == "i" else _cast(p, torch.int32)
+        return _proxy(tracer, _line(op, kind, p), kind)
+    return _proxy(tracer, _line(op, "f", p), "f")
+
+
+def _invert(x) -> Proxy:
+    tracer = _tracer_of(x)
+    p = _operand(tracer, x)
+    if p._kind == "f":
+        raise tracer.fail("~ of a float value", "use ~ on bools (comparisons) or integers")
+    op = "not" if p._kind == "b" else "bitnot"
+    return _proxy(tracer, _line(op, p._kind, p), p._kind)
+
+
+def _as_bool(p: Proxy) -> Proxy:
+    if p._kind == "b":
+        return p
+    return _proxy(p._tracer, _line("ne", "b", p, _const(p._tracer, 0)), "b")
+
+
+def _where(cond, a, b) -> Proxy:
+    tracer = _tracer_of(cond, a, b)
+    c = _operand(tracer, cond)
+    if c._kind != "b":
+        raise tracer.fail("torch.where's condition is not a bool", "pass a comparison as the condition")
+    kind = _promote(a, b)
+    return _proxy(tracer, _line("where", kind, c, _operand(tracer, a), _operand(tracer, b)), kind)
+
+
+def _clamp(x, min=None, max=None) -> Proxy:
+    out = x
+    if min is not None:
+        out = _binary("maximum", out, min)
+    if max is not None:
+        out = _binary("minimum", out, max)
+    return _operand(_tracer_of(x, min, max), out)
+
+
+def _cast(x, dtype) -> Proxy:
+    tracer = _tracer_of(x)
+    p = _operand(tracer, x)
+    if isinstance(dtype, (str, torch.device)) or dtype is None:
+        return p                      # .to(device): a traced value is on the kernel's device
+    if isinstance(dtype, Proxy):
+        dtype = dtype.dtype           # .to(other): other's dtype
+    elif isinstance(dtype, torch.Tensor):
+        dtype = dtype.dtype
+    if not isinstance(dtype, torch.dtype) or dtype not in KIND_OF_DTYPE:
+        raise tracer.fail(f".to({dtype!r})", "cast with a real torch dtype, e.g. .to(torch.int32)")
+    target = KIND_OF_DTYPE[dtype]
+    if target == p._kind:
+        return p
+    if target == "b":
+        return _as_bool(p)
+    return _proxy(tracer, _line("cast", target, p), target)
+
+
+def _to(x, *args, **kwargs) -> Proxy:
+    """``.to(dtype)``, ``.to(device)``, ``.to(device, dtype)``, ``.to(other)``, ``.to(dtype=...)``."""
+    dtype = kwargs.get("dtype")
+    for a in args:
+        if isinstance(a, (torch.dtype, Proxy, torch.Tensor)):
+            dtype = a
+    return _cast(x, dtype)
+
+
+def _full(like, value, dtype=None) -> Proxy:
+    """A constant with torch's dtype for ``x.new_full((), value)`` and friends."""
+    tracer = _tracer_of(like)
+    if dtype is None:
+        dtype = like.dtype if isinstance(like, (Proxy, View)) else torch.float32
+    if isinstance(value, (Proxy, torch.Tensor)):
+        return _cast(_operand(tracer, value), dtype)
+    return _cast(_const(tracer, value), dtype)
+
+
+def _check_scalar_size(tracer, size):
+    size = (size,) if isinstance(size, int) else tuple(size or ())
+    if size not in ((), (1,)):
+        raise tracer.fail(f"a new tensor of size {tuple(size)} in a mod",
+                          "a mod computes one element: create scalars (size ())")
+
+
+def _new(value):
+    def make(x, size=(), *args, dtype=None, device=None, **kwargs):
+        _check_scalar_size(_tracer_of(x), size)
+        return _full(x, value, dtype or (x.dtype if isinstance(x, Proxy) else None))
+    return make
+
+
+def _new_full(x, size, fill_value, *args, dtype=None, device=None, **kwargs):
+    _check_scalar_size(_tracer_of(x), size)
+    return _full(x, fill_value, dtype or x.dtype)
+
+
+def _like(value):
+    def make(x, *args, dtype=None, device=None, **kwargs):
+        return _full(x, value, dtype or x.dtype)
+    return make
+
+
+def _full_like(x, fill_value, *args, dtype=None, device=None, **kwargs):
+    return _full(x, fill_value, dtype or x.dtype)
+
+
+# Tensor methods on proxies: name -> function(proxy, *args, **kwargs).
+_METHODS = {name: (lambda n: lambda x: _unary(n, x))(name) for name in UNARY
+            if name not in ("not", "bitnot", "neg")}
+_METHODS.update({
+    "neg": lambda x: _unary("neg", x), "negative": lambda x: _unary("neg", x),
+    "logical_not": lambda x: _unary("not", x), "bitwise_not": _invert,
+    "add": lambda x, o, alpha=1: _binary("add", x, o if alpha == 1 else _binary("mul", o, alpha)),
+    "sub": lambda x, o, alpha=1: _binary("sub", x, o if alpha == 1 else _binary("mul", o, alpha)),
+    "mul": lambda x, o: _binary("mul", x, o), "multiply": lambda x, o: _binary("mul", x, o),
+    "div": lambda x, o, rounding_mode=None: _div(x, o, rounding_mode),
+    "divide": lambda x, o, rounding_mode=None: _div(x, o, rounding_mode),
+    "true_divide": lambda x, o: _binary("truediv", x, o),
+    "floor_divide": lambda x, o: _binary("floordiv", x, o),
+    "remainder": lambda x, o: _binary("mod", x, o), "pow": lambda x, o: _binary("pow", x, o),
+    "minimum": lambda x, o: _binary("minimum", x, o), "maximum": lambda x, o: _binary("maximum", x, o),
+    "logical_and": lambda x, o: _binary("and", _as_bool(_operand(x._tracer, x)), _bool_operand(x, o)),
+    "logical_or": lambda x, o: _binary("or", _as_bool(_operand(x._tracer, x)), _bool_operand(x, o)),
+    "logical_xor": lambda x, o: _binary("xor", _as_bool(_operand(x._tracer, x)), _bool_operand(x, o)),
+    "bitwise_and": lambda x, o: _binary("and", x, o), "bitwise_or": lambda x, o: _binary("or", x, o),
+    "bitwise_xor": lambda x, o: _binary("xor", x, o),
+    "bitwise_left_shift": lambda x, o: _binary("shl", x, o),
+    "bitwise_right_shift": lambda x, o: _binary("shr", x, o),
+    "eq": lambda x, o: _binary("eq", x, o), "ne": lambda x, o: _binary("ne", x, o),
+    "lt": lambda x, o: _binary("lt", x, o), "le": lambda x, o: _binary("le", x, o),
+    "gt": lambda x, o: _binary("gt", x, o), "ge": lambda x, o: _binary("ge", x, o),
+    "not_equal": lambda x, o: _binary("ne", x, o), "greater": lambda x, o: _binary("gt", x, o),
+    "greater_equal": lambda x, o: _binary("ge", x, o), "less": lambda x, o: _binary("lt", x, o),
+    "less_equal": lambda x, o: _binary("le", x, o),
+    "clamp": _clamp, "clip": _clamp,
+    "where": lambda x, cond, other: _where(cond, x, other),
+    "masked_fill": lambda x, mask, value: _where(mask, value, x),
+    "to": _to, "type": lambda x, dtype=None: x.dtype if dtype is None else _cast(x, dtype),
+    "float": lambda x: _cast(x, torch.float32), "double": lambda x: _cast(x, torch.float32),
+    "half": lambda x: _cast(x, torch.float32), "bfloat16": lambda x: _cast(x, torch.float32),
+    "int": lambda x: _cast(x, torch.int32), "long": lambda x: _cast(x, torch.int32),
+    "short": lambda x: _cast(x, torch.int32), "bool": lambda x: _cast(x, torch.bool),
+    "new_ones": _new(1), "new_zeros": _new(0), "new_full": _new_full,
+    "new_empty": _new(0), "new_tensor": lambda x, value, dtype=None, **k: _full(x, value, dtype),
+    "squeeze": lambda x, *a, **k: x, "unsqueeze": lambda x, *a, **k: x,
+    "view": lambda x, *a, **k: x, "reshape": lambda x, *a, **k: x,
+    "expand": lambda x, *a, **k: x, "expand_as": lambda x, *a, **k: x,
+    "contiguous": lambda x, *a, **k: x, "clone": lambda x, *a, **k: x,
+    "detach": lambda x: x, "cpu": lambda x: x, "cuda": lambda x, *a, **k: x,
+    "sum": lambda x, *a, **k: x, "amax": lambda x, *a, **k: x, "amin": lambda x, *a, **k: x,
+    "any": lambda x, *a, **k: _cast(x, torch.bool), "all": lambda x, *a, **k: _cast(x, torch.bool),
+})
+
+
+def _bool_operand(x, o):
+    return _as_bool(_operand(x._tracer, o))
+
+
+def _div(x, o, rounding_mode):
+    if rounding_mode is None:
+        return _binary("truediv", x, o)
+    if rounding_mode == "floor":
+        return _binary("floordiv", x, o)
+    tracer = _tracer_of(x, o)
+    raise tracer.fail(f"division with rounding_mode={rounding_mode!r}",
+                      "use rounding_mode='floor' (or //), or plain /")
+
+
+def _tensor_method(name):
+    """The torch-namespace function ``torch.<name>(x, ...)`` for a tensor method."""
+    method = _METHODS[name]
+    return lambda x, *args, **kwargs: method(x, *args, **kwargs)
+
+
+# ---------------------------------------------------------------------------- torch functions
+
+def _functions() -> dict:
+    """The exact function objects a mod may call on traced values -> what they do.
+
+    Keyed by the object itself (torch.exp, torch.Tensor.exp, torch.ops.aten.exp.default),
+    never by name: a user's own ``mylib::exp`` operator is not torch's exp.
+    """
+    table = {}
+    aten = torch.ops.aten
+    F = torch.nn.functional
+
+    def add(fn, *objects):
+        for obj in objects:
+            if obj is not None:
+                table[obj] = fn
+
+    def overloads(packet):
+        return [getattr(packet, name) for name in packet.overloads()] + [packet]
+
+    def aten_op(name):
+        return overloads(getattr(aten, name)) if hasattr(aten, name) else []
+
+    for name in UNARY:
+        if name in ("not", "bitnot", "silu", "relu"):
+            continue
+        fn = (lambda n: lambda x, *a, **k: _unary(n, x))(name)
+        add(fn, getattr(torch, name, None), getattr(torch.Tensor, name, None), *aten_op(name))
+    add(lambda x, *a, **k: _unary("neg", x), torch.negative, torch.Tensor.negative,
+        torch.Tensor.__neg__)
+    add(lambda x, *a, **k: _unary("silu", x), F.silu, *aten_op("silu"))
+    add(lambda x, *a, **k: _unary("relu", x), F.relu, torch.relu, torch.Tensor.relu, *aten_op("relu"))
+    add(lambda x, *a, **k: _unary("not", x), torch.logical_not, torch.Tensor.logical_not,
+        *aten_op("logical_not"))
+    add(_invert, torch.bitwise_not, torch.Tensor.bitwise_not, torch.Tensor.__invert__,
+        *aten_op("bitwise_not"))
+    add(lambda x, *a, **k: _unary("abs", x), torch.Tensor.__abs__)
+    binary = {
+        "add": "add", "sub": "sub", "subtract": "sub", "mul": "mul", "multiply": "mul",
+        "true_divide": "truediv", "floor_divide": "floordiv", "remainder": "mod", "pow": "pow",
+        "minimum": "minimum", "maximum": "maximum", "fmin": "minimum", "fmax": "maximum",
+        "bitwise_and": "and", "bitwise_or": "or", "bitwise_xor": "xor",
+        "bitwise_left_shift": "shl", "bitwise_right_shift": "shr",
+        "eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge",
+        "greater": "gt", "greater_equal": "ge", "less": "lt", "less_equal": "le", "not_equal": "ne",
+    }
+    for name, op in binary.items():
+        fn = (lambda o: lambda a, b, *rest, **k: _binary(o, a, b))(op)
+        add(fn, getattr(torch, name, None), getattr(torch.Tensor, name, None), *aten_op(name))
+    for name in ("logical_and", "logical_or", "logical_xor"):
+        op = name.split("_")[1]
+        fn = (lambda o: lambda a, b, *r, **k: _binary(
+            o, _as_bool(_operand(_tracer_of(a, b), a)), _as_bool(_operand(_tracer_of(a, b), b))))(op)
+        add(fn, getattr(torch, name), getattr(torch.Tensor, name), *aten_op(name))
+    dunders = {"__add__": ("add", False), "__radd__": ("add", True), "__sub__": ("sub", False),
+               "__rsub__": ("sub", True), "__mul__": ("mul", False), "__rmul__": ("mul", True),
+               "__truediv__": ("truediv", False), "__rtruediv__": ("truediv", True),
+               "__floordiv__": ("floordiv", False), "__rfloordiv__": ("floordiv", True),
+               "__mod__": ("mod", False), "__rmod__": ("mod", True), "__pow__": ("pow", False),
+               "__rpow__": ("pow", True), "__and__": ("and", False), "__rand__": ("and", True),
+               "__or__": ("or", False), "__ror__": ("or", True), "__xor__": ("xor", False),
+               "__rxor__": ("xor", True), "__lshift__": ("shl", False), "__rlshift__": ("shl", True),
+               "__rshift__": ("shr", False), "__rrshift__": ("shr", True),
+               "__eq__": ("eq", False), "__ne__": ("ne", False), "__lt__": ("lt", False),
+               "__le__": ("le", False), "__gt__": ("gt", False), "__ge__": ("ge", False)}
+    for name, (op, reflected) in dunders.items():
+        fn = (lambda o, r: (lambda a, b: _binary(o, b, a)) if r else (lambda a, b: _binary(o, a, b)))(
+            op, reflected)
+        add(fn, getattr(torch.Tensor, name, None))
+    add(lambda a, b, rounding_mode=None: _div(a, b, rounding_mode),
+        torch.div, torch.divide, torch.Tensor.div, torch.Tensor.divide, *aten_op("div"))
+    add(lambda c, a, b: _where(c, a, b), torch.where, *aten_op("where"))
+    add(lambda x, cond, other: _where(cond, x, other), torch.Tensor.where)
+    add(lambda x, mask, value: _where(mask, value, x), torch.masked_fill, torch.Tensor.masked_fill,
+        *aten_op("masked_fill"))
+    add(_clamp, torch.clamp, torch.clip, torch.Tensor.clamp, torch.Tensor.clip, *aten_op("clamp"))
+    add(_to, torch.Tensor.to, torch.Tensor.type)
+    add(lambda x, dtype=None, *a, **k: _cast(x, dtype), *aten_op("_to_copy"))
+    for name, dtype in (("float", torch.float32), ("double", torch.float32), ("half", torch.float32),
+                        ("bfloat16", torch.float32), ("int", torch.int32), ("long", torch.int32),
+                        ("short", torch.int32), ("bool", torch.bool)):
+        add((lambda d: lambda x, *a, **k: _cast(x, d))(dtype), getattr(torch.Tensor, name))
+    for name in ("new_ones", "new_zeros", "new_full", "new_empty", "new_tensor"):
+        add((lambda n: lambda x, *a, **k: _METHODS[n](x, *a, **k))(name), getattr(torch.Tensor, name))
+    add(_like(1), torch.ones_like, *aten_op("ones_like"))
+    add(_like(0), torch.zeros_like, torch.empty_like, *aten_op("zeros_like"))
+    add(_full_like, torch.full_like, *aten_op("full_like"))
+    add(lambda x, *a, **k: _operand(_tracer_of(x), x), *aten_op("alias"), *aten_op("clone"),
+        *aten_op("detach"), *aten_op("lift_fresh"))
+    table[torch.Tensor.__getitem__] = table[operator.getitem] = _getitem
+    # torch.export (strict) hands a mode Python's operators rather than Tensor's dunders.
+    for name, op in (("add", "add"), ("sub", "sub"), ("mul", "mul"), ("truediv", "truediv"),
+                     ("floordiv", "floordiv"), ("mod", "mod"), ("pow", "pow"), ("and_", "and"),
+                     ("or_", "or"), ("xor", "xor"), ("lshift", "shl"), ("rshift", "shr"),
+                     ("eq", "eq"), ("ne", "ne"), ("lt", "lt"), ("le", "le"), ("gt", "gt"), ("ge", "ge")):
+        table[getattr(operator, name)] = (lambda o: lambda a, b: _binary(o, a, b))(op)
+    table[operator.neg] = lambda x: _unary("neg", x)
+    table[operator.abs] = lambda x: _unary("abs", x)
+    table[operator.invert] = _invert
+    return table
+
+
+def _getitem(tensor, index):
+    tracer = _tracer_of(tensor, *(index if isinstance(index, tuple) else (index,)))
+    if isinstance(tensor, (Proxy, View)):
+        return tensor[index]
+    return _index(tracer, tensor, index if isinstance(index, tuple) else (index,))
+
+
+_FUNCTION_NAMES = set(UNARY) | {"where", "clamp", "minimum", "maximum", "masked_fill", "to",
+                                "new_ones", "new_zeros", "new_full", "ones_like", "zeros_like",
+                                "full_like"}
+
+
+def _torch_function(func, args, kwargs):
+    impl = _FUNCTIONS.get(func)
+    if impl is None:
+        tracer = _tracer_of(*args, *kwargs.values())
+        name = getattr(func, "__name__", str(func))
+        if name.endswith("_") and not name.endswith("__"):
+            raise tracer.fail(f"in-place operation {name}() on a traced value",
+                              f"use the out-of-place form {name[:-1]}()")
+        raise tracer.fail(f"torch function '{_qualified(func)}' is not supported in a mod",
+                          "use arithmetic, comparisons, torch.where and the elementwise functions "
+                          + " ".join(sorted(_FUNCTION_NAMES)))
+    return impl(*args, **kwargs)
+
+
+class _TraceMode(torch.overrides.TorchFunctionMode):
+    """Routes every torch function a mod calls on traced values to ``_torch_function``.
+
+    Proxies' own ``__torch_function__`` covers eager code, but torch.compile asks it
+    only about top-level arguments: ``bias[h, q_idx]`` passes a tuple of proxies. A
+    mode sees every call; calls on real tensors alone (``bias.sum()``) run as they are.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _tracer_of(*args, *kwargs.values()) is None and not any(
+                isinstance(a, tuple) and _tracer_of(*a) is not None for a in args):
+            return func(*args, **kwargs)
+        return _torch_function(func, args, kwargs)
+
+
+def _qualified(func) -> str:
+    module = getattr(func, "__module__", None) or ""
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or str(func)
+    return f"{module}.{name}" if module and not str(name).startswith(module) else str(name)
+
+
+# ---------------------------------------------------------------------------- captured tensors
+
+def _index(tracer: _Tracer, t, indices: tuple):
+    """``t[indices]`` for a captured tensor: a load (every dim indexed) or a ``View``."""
+    if isinstance(t, (Proxy, View)):
+        raise tracer.fail("a traced value was indexed", "index captured tensors only")
+    if t.dtype not in KIND_OF_DTYPE:
+        raise tracer.fail(f"captured tensor dtype {t.dtype} is not supported",
+                          "use a bool, integer or floating tensor")
+    if len(indices) > t.dim():
+        raise tracer.fail(f"a captured tensor of shape {list(t.shape)} was indexed with "
+                          f"{len(indices)} indices", f"give at most {t.dim()} indices, one per dimension")
+    nodes = []
+    for i, idx in enumerate(indices):
+        if isinstance(idx, (slice, type(None), type(Ellipsis))) or isinstance(idx, View):
+            raise tracer.fail(f"index {i} of a captured tensor is {idx!r}",
+                              "index with traced integer positions or Python ints only")
+        if isinstance(idx, torch.Tensor) and not isinstance(idx, Proxy) and (
+                idx.dim() != 0 or idx.dtype.is_floating_point or idx.dtype == torch.bool):
+            raise tracer.fail(f"index {i} of a captured tensor is a tensor of shape "
+                              f"{list(idx.shape)} and dtype {idx.dtype}",
+                              "index with traced positions, Python ints or 0-d integer tensors")
+        p = _operand(tracer, idx)
+        if p._kind != "i":
+            if p._kind == "b":
+                p = _cast(p, torch.int32)
+            else:
+                raise tracer.fail(f"index {i} of a captured tensor has dtype {p.dtype}",
+                                  "indices must be integers: use // instead of /, or "
+                                  ".to(torch.int32) after torch.floor")
+        nodes.append(p)
+    if len(indices) < t.dim():
+        return View(tracer, t, tuple(indices))
+    slot = tracer.slot(t)
+    kind = KIND_OF_DTYPE[t.dtype]
+    return _proxy(tracer, f"load {kind} {slot} " + " ".join(f"%{p._node}" for p in nodes), kind)
+
+
+# ---------------------------------------------------------------------------- entry points
 
 def _check_arity(mod, kind: str, names: tuple) -> None:
+    if torch.compiler.is_compiling():
+        return                        # (a wrong arity fails on the call itself)
     try:
         sig = inspect.signature(mod)
     except (TypeError, ValueError):
@@ -441,153 +824,244 @@ def _check_arity(mod, kind: str, names: tuple) -> None:
             f"Fix: define it as def {name}({', '.join(names)}): ...") from None
 
 
-def trace(mod, kind: str) -> Traced:
-    """Trace ``mod`` (``kind`` is "score_mod" or "mask_mod") into a ``Traced`` graph."""
+def trace(mod, kind: str) -> TracedMod:
+    """Trace ``mod`` (``kind`` is "score_mod" or "mask_mod") into a ``TracedMod``."""
     if not callable(mod):
-        raise TraceError(f"{kind}: expected a callable, got {type(mod).__name__} ({mod!r}). "
-                         f"Fix: pass a function, or None for no {kind}")
+        raise reported(TraceError(f"{kind}: expected a callable, got {type(mod).__name__} ({mod!r}). "
+                         f"Fix: pass a function, or None for no {kind}"))
     names = SCORE_ARGS if kind == "score_mod" else MASK_ARGS
     _check_arity(mod, kind, names)
     tracer = _Tracer(mod, kind)
-    proxies = [Proxy(Node("var", (n,), torch.float32 if n == "score" else torch.int32)) for n in names]
-    _ACTIVE.append(tracer)
+    proxies = [_proxy(tracer, f"var {'f' if n == 'score' else 'i'} {n}", "f" if n == "score" else "i")
+               for n in names]
     try:
-        try:
+        with _TraceMode():
             result = mod(*proxies)
-        except TraceError:
-            raise
-        except Exception as exc:  # the mod itself failed on our proxies
-            raise TraceError(f"{kind} '{tracer.name}': calling it with traced values raised "
-                             f"{type(exc).__name__}: {exc}. Fix: use only arithmetic, comparisons, "
-                             "torch.where and elementwise torch functions on the arguments") from exc
-        if isinstance(result, torch.Tensor) and not isinstance(result, Proxy):
-            if result.dim() != 0:
-                raise tracer.fail(f"it returned a tensor of shape {list(result.shape)}",
-                                  "return an expression of the arguments")
-        root = _node(result)
-    finally:
-        _ACTIVE.pop()
-    if kind == "mask_mod" and root.dtype != torch.bool:
-        raise TraceError(f"mask_mod '{tracer.name}': expected it to return a bool (a comparison "
-                         f"or a combination of comparisons), got a value of dtype {root.dtype}. "
-                         "Fix: return a comparison such as q_idx >= kv_idx")
-    if kind == "score_mod" and root.dtype == torch.bool:
-        raise TraceError(f"score_mod '{tracer.name}': expected it to return a number (the new "
-                         "score), got a bool. Fix: to mask positions use a mask_mod, or "
-                         "torch.where(cond, score, -float('inf'))")
-    return Traced(kind, tracer.name, root, tuple(tracer.buffers))
+    except TraceError:
+        raise
+    except Exception as exc:  # the mod itself failed on our proxies
+        if torch.compiler.is_compiling():
+            raise             # (dynamo reports the mod's own exception, and where it happened)
+        raise reported(TraceError(
+            f"{kind} '{tracer.name}': calling it with traced values raised "
+            f"{type(exc).__name__}: {exc}. Fix: use only arithmetic, comparisons, "
+            "torch.where and elementwise torch functions on the arguments")) from exc
+    if isinstance(result, View):
+        result._not_a_value()
+    if isinstance(result, torch.Tensor) and not isinstance(result, Proxy) and result.dim() != 0:
+        raise tracer.fail(f"it returned a tensor of shape {list(result.shape)}",
+                          "return an expression of the arguments")
+    root = _operand(tracer, result)
+    if kind == "mask_mod" and root._kind != "b":
+        raise reported(TraceError(
+            f"mask_mod '{tracer.name}': expected it to return a bool (a comparison or a "
+            f"combination of comparisons), got a value of dtype {root.dtype}. "
+            "Fix: return a comparison such as q_idx >= kv_idx"))
+    if kind == "score_mod" and root._kind == "b":
+        raise reported(TraceError(
+            f"score_mod '{tracer.name}': expected it to return a number (the new score), got a "
+            "bool. Fix: to mask positions use a mask_mod, or torch.where(cond, score, -float('inf'))"))
+    lines = tracer.lines + [f"root {root._kind} %{root._node}"]
+    for slot, t in enumerate(tracer.buffers):
+        lines.append(f"buffer {slot} {DTYPE_NAMES[t.dtype]} {t.dim()}")
+    return TracedMod(kind, tracer.name, "\n".join(lines), tuple(tracer.buffers), tracer.derived)
 
 
-# --- memoized tracing for the hot path ----------------------------------------------
-_TRACES: dict = {}
+# Built at import (~2 ms): torch.compile traces the lookups, but not the building.
+_FUNCTIONS = _functions()
 
 
-def _fingerprint(mod, depth: int = 0):
-    """Identities of everything a plain-function mod can read, or None when unknown.
+# ---------------------------------------------------------------------------- reading the text
 
-    A function's behaviour is fixed by its code and what its closure cells and
-    globals hold. Identity (not value) is enough: a tensor mutated in place is
-    still the same buffer, so the kernel reads its new values; a rebound name
-    or a new closure changes an identity and the mod is traced again.
-    """
-    code = getattr(mod, "__code__", None)
-    if code is None or depth > 3 or not inspect.isfunction(mod):
-        return None
-    parts = [id(mod), id(code)]
-    cells = []
-    for cell in mod.__closure__ or ():
-        try:
-            cells.append(cell.cell_contents)
-        except ValueError:          # an empty cell
-            return None
-    names = [mod.__globals__.get(name, _MISSING) for name in code.co_names]
-    for value in cells + names:
-        part = _value_fingerprint(value, depth)
-        if part is None:
-            return None
-        parts.append(part)
-    return tuple(parts)
+@dataclass(frozen=True, eq=False)
+class Node:
+    """One line of a traced program, with its operands resolved: ``args`` holds child
+    Nodes or plain Python values (a var's name, a constant, a load's slot)."""
+    op: str
+    args: tuple
+    dtype: torch.dtype
 
 
-def _value_fingerprint(value, depth):
-    if inspect.isfunction(value):
-        return _fingerprint(value, depth + 1)
-    if isinstance(value, tuple):
-        inner = tuple(_value_fingerprint(v, depth) for v in value)
-        return None if None in inner else (id(value), inner)
-    if value is _MISSING or isinstance(value, _STABLE_TYPES):
-        return id(value)
-    # An object whose attributes the mod may read (a config, a list): its
-    # identity does not pin its content, so the mod is traced on every call.
-    return None
+_PARSED: dict = {}
+
+
+def parse(graph: str) -> tuple:
+    """(kind, name, root Node, ((dtype name, ndim) per buffer)) of a traced program. Memoized."""
+    hit = _PARSED.get(graph)
+    if hit is None:
+        nodes, kind, name, root, buffers = [None], None, None, None, []
+        for number, line in enumerate(graph.split("\n")):
+            op, rest = line.split(" ", 1)
+            fields = rest.split(" ")
+            if op == "program":
+                kind, name = fields
+                continue
+            if op == "buffer":
+                buffers.append((fields[1], int(fields[2])))
+                continue
+            dtype = DTYPE_OF_KIND[fields[0]]
+            refs = [nodes[int(f[1:])] for f in fields[1:] if f.startswith("%")]
+            if op == "root":
+                root = refs[0]
+                continue
+            if op == "var":
+                node = Node("var", (fields[1],), dtype)
+            elif op == "const":
+                text = fields[1]
+                value = (text == "1") if fields[0] == "b" else int(text) if fields[0] == "i" else float(text)
+                node = Node("const", (value,), dtype)
+            elif op == "load":
+                node = Node("load", (int(fields[1]), tuple(refs)), dtype)
+            else:
+                node = Node(op, tuple(refs), dtype)
+            nodes.append(node)
+            assert len(nodes) == number + 1, "flexgen internal error: a malformed traced program"
+        hit = (kind, name, root, tuple(buffers))
+        if len(_PARSED) >= _MEMO_MAX:
+            _PARSED.clear()
+        _PARSED[graph] = hit
+    return hit
+
+
+TracedMod.root = property(lambda self: parse(self.graph)[2],
+                          doc="The program's value as a Node graph (``parse``).")
+
+
+# ---------------------------------------------------------------------------- the eager memo
+#
+# A training or serving loop passes the same mod every step; tracing it again costs far
+# more than the rest of a warm call. A trace is reused while the mod provably computes
+# the same program: same function, same code, and the very same objects behind every
+# name it reads (its globals, closure cells, defaults and keyword defaults, and those of
+# the functions it calls), each of a kind whose identity pins what the mod can read
+# from it. A tensor counts by identity (its values are read by the kernel at run time);
+# a module only if it is a library's (a user module's attributes can be reassigned); a
+# class, a config object, a list, a bound method or a partial cannot be pinned: such a
+# mod is traced on every call (correct, slower). torch.compile traces every time and
+# guards on what the mod read itself.
+
+_MEMO_MAX = 4096
+_RECENT: dict = {}             # id(mod) -> (mod, kind, checks, traced)
+_STABLE_VALUES = (int, float, bool, str, bytes, type(None), torch.Tensor, torch.dtype, torch.device,
+                  types.BuiltinFunctionType, type(Ellipsis))
+_LIBRARY_MODULES = ("torch", "math", "operator", "numpy", "flexgen", "builtins", "functools",
+                    "transformers.masking_utils")
 
 
 class _Missing:
-    """A co_name that is not a global: an attribute or a builtin name."""
+    """A name a function's code uses that is not one of its globals (an attribute, a builtin)."""
 
 
 _MISSING = _Missing()
-# Values whose identity pins what a mod can read from them (a tensor's values
-# are read by the kernel at run time, so identity is enough for it too).
-_STABLE_TYPES = (types.ModuleType, types.BuiltinFunctionType, torch.Tensor,
-                 int, float, bool, str, type(None), torch.dtype, type)
 
 
-def _reads(mod) -> tuple:
-    """What a plain function reads: (the global of each name its code uses, ``_MISSING``
-    for none; its closure cells' contents). ValueError for an empty cell."""
+def _pinned(value) -> bool:
+    """Whether identity pins everything a mod can read from ``value`` (functions aside)."""
+    if isinstance(value, _STABLE_VALUES) or value is _MISSING:
+        return True
+    if isinstance(value, types.ModuleType):
+        name = value.__name__
+        return any(name == lib or name.startswith(lib + ".") for lib in _LIBRARY_MODULES)
+    if isinstance(value, (tuple, frozenset)):
+        return all(_pinned(v) or inspect.isfunction(v) for v in value)
+    return _hashable(value) and value in _LIBRARY_CALLABLES
+
+
+def _library_callables() -> frozenset:
+    found = set(_FUNCTIONS)
+    for obj in (torch.where, torch.clamp, torch.tensor, torch.full, torch.ones, torch.zeros):
+        found.add(obj)
+    return frozenset(o for o in found if _hashable(o))
+
+
+def _hashable(o) -> bool:
+    try:
+        hash(o)
+        return True
+    except TypeError:
+        return False
+
+
+def _checks(mod, out: list, depth: int = 0) -> bool:
+    """Append (holder, key, expected) identity checks covering what ``mod`` reads; False
+    where something it reads cannot be pinned (then the mod is not memoized)."""
+    if depth > 8 or not inspect.isfunction(mod):
+        return False
+    code = mod.__code__
+    out.append((mod, "__code__", code))
+    out.append((mod, "__defaults__", mod.__defaults__))
+    values = list(mod.__defaults__ or ())
+    kwdefaults = mod.__kwdefaults__
+    out.append((mod, "__kwdefaults__", kwdefaults))
+    if kwdefaults:
+        # A dict: its entries can change in place, so each one is checked.
+        for name, value in kwdefaults.items():
+            out.append((kwdefaults, name, value))
+            values.append(value)
     g = mod.__globals__
-    return (tuple(g.get(name, _MISSING) for name in mod.__code__.co_names),
-            tuple(cell.cell_contents for cell in mod.__closure__ or ()))
-
-
-def _reads_same(mod, names, globals_read, cells_read) -> bool:
-    """Whether ``mod`` still reads these very objects (``_reads``, compared by identity)."""
-    g = mod.__globals__
-    for name, value in zip(names, globals_read):
-        if g.get(name, _MISSING) is not value:
+    for name in code.co_names:
+        value = g.get(name, _MISSING)
+        out.append((g, name, value))
+        values.append(value)
+    for cell in mod.__closure__ or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:          # an empty cell: calling the mod fails anyway
             return False
-    if cells_read:
-        for cell, value in zip(mod.__closure__, cells_read):
-            try:
-                if cell.cell_contents is not value:
-                    return False
-            except ValueError:      # a cell emptied since
+        out.append((cell, None, value))
+        values.append(value)
+    for value in values:
+        if inspect.isfunction(value):
+            if value is not mod and not _checks(value, out, depth + 1):
                 return False
+        elif isinstance(value, (tuple, frozenset)):
+            for item in value:
+                if inspect.isfunction(item) and not _checks(item, out, depth + 1):
+                    return False
+            if not _pinned(value):
+                return False
+        elif not _pinned(value):
+            return False
     return True
 
 
-# The warm path's shortcut past _fingerprint: id(mod) -> (mod, kind, code, reads, trace).
-# A mod whose fingerprint is the identities of its code and of what it reads directly
-# (only _STABLE_TYPES values: no function or tuple, whose own reads _fingerprint walks)
-# keeps that fingerprint while the same function has the same code and reads the same
-# objects. Checking that is a few identity tests in a plain loop, where building the
-# fingerprint and hashing it cost ~1.5 us of a ~15 us warm call.
-_RECENT: dict = {}
+def _unchanged(checks) -> bool:
+    for holder, key, expected in checks:
+        if key is None:                                   # a closure cell
+            try:
+                if holder.cell_contents is not expected:
+                    return False
+            except ValueError:
+                return False
+        elif isinstance(holder, dict):
+            if holder.get(key, _MISSING) is not expected:
+                return False
+        elif getattr(holder, key) is not expected:
+            return False
+    return True
 
 
-def trace_cached(mod, kind: str) -> Traced:
+def trace_cached(mod, kind: str) -> TracedMod:
     """``trace(mod, kind)``, reusing the last trace while nothing the mod reads has changed."""
-    recent = _RECENT.get(id(mod))
-    if recent is not None and recent[0] is mod and recent[1] == kind:
-        code = recent[2]
-        if mod.__code__ is code and _reads_same(mod, code.co_names, *recent[3]):
-            return recent[4]
-    key = _fingerprint(mod)
-    if key is None:
+    if torch.compiler.is_compiling():
         return trace(mod, kind)
-    key = (kind, key)
-    hit = _TRACES.get(key)
-    if hit is None:
-        if len(_TRACES) > 4096:      # mods made per call: keep the memo bounded
-            _TRACES.clear()
-        # Keep the mod alive with its trace so its id (part of the key) is not reused.
-        hit = _TRACES[key] = (trace(mod, kind), mod)
-    # A fingerprint was found, so every read passed _value_fingerprint: those that are
-    # neither functions nor tuples count by identity alone.
-    reads = _reads(mod)
-    if not any(isinstance(r, tuple) or inspect.isfunction(r) for r in (*reads[0], *reads[1])):
-        if len(_RECENT) > 4096:
+    recent = _RECENT.get(id(mod))
+    if recent is not None and recent[0] is mod and recent[1] == kind and _unchanged(recent[2]):
+        return recent[3]
+    traced = trace(mod, kind)
+    checks: list = []
+    if not traced.derived and _checks(mod, checks):
+        if len(_RECENT) >= _MEMO_MAX:
             _RECENT.clear()
-        _RECENT[id(mod)] = (mod, kind, mod.__code__, reads, hit[0])
-    return hit[0]
+        # The entry holds the mod, so its id is not reused while the entry lives.
+        _RECENT[id(mod)] = (mod, kind, tuple(checks), traced)
+    return traced
+
+
+def clear_memos() -> None:
+    """Forget every memoized trace and parsed program (``flexgen.clear_caches``)."""
+    _RECENT.clear()
+    _PARSED.clear()
+
+
+_LIBRARY_CALLABLES = _library_callables()

@@ -38,11 +38,11 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime import launch
-from ..masks.block_mask import create_block_mask
-from ..kernels.decode import DTYPES, decode_attention
 from ..codegen.spec import kernel_spec
 from ..errors import InputError, expected
+from ..masks.block_mask import create_block_mask
+from ..runtime import launch
+from ..runtime.checks import DTYPES
 
 
 class CacheFullError(InputError):
@@ -101,7 +101,6 @@ class PagedKVCache:
         self._free_pages = list(range(num_pages - 1, -1, -1))     # a stack: lowest ids first
         self._tensors: dict = {}                                  # small cached index tensors
         self._row_views: dict = {}                                # n -> views of the first n rows
-        self._write_spec = None                                   # the paged_write kernel's spec
 
     # --- bookkeeping ------------------------------------------------------------------
     @property
@@ -294,14 +293,9 @@ class PagedKVCache:
                 key = key.contiguous()
             if value.stride(-1) != 1:
                 value = value.contiguous()
-            spec = self._write_spec
-            if spec is None:
-                spec = self._write_spec = kernel_spec(
-                    "paged_write", qk_head=self.head_dim, v_head=self.v_head_dim,
-                    dtype=DTYPES[self.dtype], block_m=64 if self.device.type != "cuda" else 32,
-                    num_warps=4)
-            launch.run(spec, self.device, key, value, self.k_cache, self.v_cache, self.page_table,
-                       self._index("slots", slots), self.lengths, self._index("counts", counts))
+            from ..runtime.ops import call_paged_write
+            call_paged_write(self.k_cache, self.v_cache, key, value, self.page_table,
+                             self._index("slots", slots), self.lengths, self._index("counts", counts))
         for s, c in zip(slots, counts):
             self._lengths[s] += c
         if slots == list(range(B)) and len(set(counts)) == 1:
@@ -346,6 +340,7 @@ class PagedKVCache:
                            "append the new tokens' keys and values before attending")
         table, kv_lengths = self._rows(slots)
         q_arg = None if q_lengths is None else self._index("counts", q_counts)
+        from ..api import decode_attention
         return decode_attention(query, self.k_cache, self.v_cache, score_mod=score_mod,
                                 block_mask=block_mask, scale=scale, enable_gqa=True,
                                 return_lse=return_lse, kv_lengths=kv_lengths, page_table=table,
@@ -371,3 +366,13 @@ class PagedKVCache:
         k = self.k_cache[pages].reshape(-1, self.num_kv_heads, self.head_dim)[:n]
         v = self.v_cache[pages].reshape(-1, self.num_kv_heads, self.v_head_dim)[:n]
         return k.permute(1, 0, 2).contiguous(), v.permute(1, 0, 2).contiguous()
+
+
+def run_paged_write(k_cache, v_cache, key, value, page_table, slots, lengths, counts) -> None:
+    """Launch the paged_write kernel: ``counts[b]`` tokens of row ``b`` into sequence ``slots[b]``."""
+    spec = kernel_spec("paged_write", qk_head=k_cache.shape[3], v_head=v_cache.shape[3],
+                       dtype=DTYPES[k_cache.dtype], block_m=64 if k_cache.device.type != "cuda" else 32,
+                       num_warps=4)
+    launch.run(spec, k_cache.device, dict(k_new=key, v_new=value, k_cache=k_cache, v_cache=v_cache,
+                                          page_table=page_table, slots=slots, lengths=lengths,
+                                          count=counts))

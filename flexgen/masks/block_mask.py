@@ -1,104 +1,26 @@
 """Block-sparse masks: which (query block, kv block) tiles a kernel visits.
 
-``create_block_mask`` never builds the dense ``[Q_LEN, KV_LEN]`` mask. It
-classifies blocks with interval bounds of the canonical mask expression
-(``flexgen.masks.bounds``), then evaluates mask_mod on the elements of the blocks
-the bounds leave undecided: with torch ops when they are few
-(``flexgen.masks.mask_eval``, no kernel to compile), else with a generated kernel.
-The result is a
-dense ``[2, B, H, NQ, NKV]`` int32 of partial / full flags, O(number of
-blocks), compacted into the index lists the attention kernels read (torch's
-BlockMask layout).
+A ``BlockMask`` holds, per (batch, head, query block), the kv blocks that are
+partially masked (mask_mod applied) and those fully kept (mask_mod skipped), and
+the transposed lists for the backward pass: torch's BlockMask layout and fields,
+so masks move between the two libraries (``mask_inputs`` reads torch's too).
+``create_block_mask`` traces the mask_mod and runs the ``flexgen::block_mask`` op
+(``flexgen.masks.builder``), which never builds the dense ``[Q_LEN, KV_LEN]`` mask:
+memory is O(number of blocks). Both run inside torch.compile.
 """
 from __future__ import annotations
 
 import torch
 
-from ..runtime import launch
-from . import bounds, mask_eval
-from ..runtime.checks import check_buffers
-from ..errors import expected
-from ..frontend.lowering import buffer_map, lower
-from ..codegen.spec import KernelSpec
-from ..frontend.trace import trace, trace_cached
+from ..errors import expected, reported
+from ..frontend.trace import trace_cached
+from . import bounds
+from .builder import fill_lists, hits_of_states, layout
 
-# Results are int32 views of one allocation, each starting on a 16-byte boundary
-# (kernels specialize on pointer alignment): a multiple of 4 elements apart.
-_ALIGN = 4
-
-# device -> int8 [2, 1, 1, 1, 1] of (PARTIAL, FULL), for from_states
-_STATE_VALUES: dict = {}
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-def _contiguous_strides(shape) -> tuple:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
-
-
-def _is_dense(shape, strides) -> bool:
-    """Whether the strides lay out exactly prod(shape) elements, in some order of the dims."""
-    step = 1
-    for size, stride in sorted((p for p in zip(shape, strides) if p[0] != 1), key=lambda p: p[1]):
-        if stride != step:
-            return False
-        step *= size
-    return True
-
-
-def _lists(hit: torch.Tensor) -> tuple:
-    """(partial_num, partial_idx, full_num, full_idx) along the last dim, and along dim -2.
-
-    ``hit`` is int32 ``[2, B, H, NQ, NKV]``: 1 where a block is partial (``hit[0]``)
-    or full (``hit[1]``), else 0. Per row, a list holds the indices of its
-    blocks in that state, in increasing order, then the other indices in
-    increasing order as padding (torch's layout): a stable descending sort.
-    The "q" lists (per kv block) come out as transposed views, ``[B, H, NKV, NQ]``,
-    as they always have. Both states go through each op (the leading dim of
-    2) and the eight results are views of one int32 allocation, each 16-byte
-    aligned: two sorts, two sums and two copies in all. ``hit`` being int32
-    already, the sums convert nothing.
-    """
-    _, B, H, nq, nkv = hit.shape
-    kv_order = hit.sort(dim=-1, descending=True, stable=True).indices
-    q_order = hit.transpose(-1, -2).sort(dim=-1, descending=True, stable=True).indices
-    # The q lists keep the layout they always had (the int32 copy of each sort
-    # result, memory format preserved): the sort's strides, or contiguous where
-    # the transposed view is contiguous (NQ or NKV of 1).
-    q_strides = q_order.stride()[1:]
-    if nq == 1 or nkv == 1 or not _is_dense((B, H, nkv, nq), q_strides):
-        q_strides = _contiguous_strides((B, H, nkv, nq))
-    n_kv, n_q, n_idx = _aligned(B * H * nq), _aligned(B * H * nkv), _aligned(B * H * nq * nkv)
-    buf = torch.empty(2 * (n_kv + n_q + 2 * n_idx), dtype=torch.int32, device=hit.device)
-    kv_num = buf.as_strided((2, B, H, nq), (n_kv, *_contiguous_strides((B, H, nq))), 0)
-    q_num = buf.as_strided((2, B, H, nkv), (n_q, *_contiguous_strides((B, H, nkv))), 2 * n_kv)
-    offset = 2 * (n_kv + n_q)
-    kv_idx = buf.as_strided((2, B, H, nq, nkv), (n_idx, *_contiguous_strides((B, H, nq, nkv))), offset)
-    q_idx = buf.as_strided((2, B, H, nkv, nq), (n_idx, *q_strides), offset + 2 * n_idx)
-    torch.sum(hit, -1, dtype=torch.int32, out=kv_num)
-    torch.sum(hit, -2, dtype=torch.int32, out=q_num)
-    kv_idx.copy_(kv_order)
-    q_idx.copy_(q_order)
-    (kv_num, full_kv_num), (kv_idx, full_kv_idx) = kv_num.unbind(0), kv_idx.unbind(0)
-    (q_num, full_q_num), (q_idx, full_q_idx) = q_num.unbind(0), q_idx.unbind(0)
-    return (kv_num, kv_idx, full_kv_num, full_kv_idx), (q_num, q_idx, full_q_num, full_q_idx)
-
-
-def _hits_of_states(states: torch.Tensor) -> torch.Tensor:
-    """int32 ``[2, B, H, NQ, NKV]``: ``states == PARTIAL`` and ``states == FULL``."""
-    values = _STATE_VALUES.get(states.device)
-    if values is None:
-        values = torch.tensor([bounds.PARTIAL, bounds.FULL], dtype=torch.int8,
-                              device=states.device).view(2, 1, 1, 1, 1)
-        _STATE_VALUES[states.device] = values
-    hit = torch.empty((2, *states.shape), dtype=torch.int32, device=states.device)
-    return torch.eq(states, values, out=hit)
+LIST_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+              "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+# torch's marker for "no block mask" (its _create_empty_block_mask): BLOCK_SIZE of 2**30.
+LARGE_SPARSE_BLOCK = 1 << 30
 
 
 class BlockMask:
@@ -109,7 +31,9 @@ class BlockMask:
     the partially masked kv blocks of each query block (mask_mod applied),
     ``full_kv_*`` the fully unmasked ones (mask_mod skipped); ``q_*`` and
     ``full_q_*`` are the transposed lists (per kv block, its query blocks).
-    ``B`` or ``H`` of size 1 broadcasts over the batch or heads.
+    ``B`` or ``H`` of size 1 broadcasts over the batch or heads. ``mask_mod`` is
+    the mod the kernels apply to partial blocks: assigning another one (torch's
+    decode pattern: a sliced mask with an offset mod) makes that one run.
     """
 
     def __init__(self, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
@@ -122,36 +46,32 @@ class BlockMask:
         self.BLOCK_SIZE = tuple(BLOCK_SIZE)
         self.mask_mod = mask_mod
         self.seq_lengths = tuple(seq_lengths)
-        self._traced = None
-        self._broadcast = (None, None)      # (key, lists) of the last broadcast_lists call
-
-    def broadcast_lists(self, which: str, B: int, H: int) -> tuple:
-        """(num, indices, full_num, full_indices) of the "kv" or "q" lists as [B, H, ...] views.
-
-        A training loop passes the same mask every step: the views are reused
-        while the list tensors are the same objects (a reassigned field misses).
-        """
-        names = [f"{p}{which}_{n}" for p, n in (("", "num_blocks"), ("", "indices"),
-                                                ("full_", "num_blocks"), ("full_", "indices"))]
-        tensors = [getattr(self, n) for n in names]
-        key = (which, B, H, *map(id, tensors))
-        cached_key, lists = self._broadcast
-        if cached_key != key:
-            lists = tuple(t.expand(B, H, *t.shape[2:]) for t in tensors)
-            self._broadcast = (key, lists)
-        return lists
 
     @classmethod
     def from_states(cls, states: torch.Tensor, BLOCK_SIZE, mask_mod, seq_lengths) -> "BlockMask":
         """Build the index lists from an int8 ``[B, H, NQ, NKV]`` of EMPTY / PARTIAL / FULL."""
-        kv_lists, q_lists = _lists(_hits_of_states(states))
-        return cls(*kv_lists, *q_lists, BLOCK_SIZE, mask_mod, seq_lengths)
+        buf = fill_lists(hits_of_states(states))
+        return cls(*layout(*states.shape).views(buf), BLOCK_SIZE, mask_mod, seq_lengths)
+
+    def traced(self):
+        """The traced mask_mod: the one assigned now (``trace_cached`` makes a repeat cheap)."""
+        return trace_cached(self.mask_mod, "mask_mod")
+
+    def as_tuple(self) -> tuple:
+        """torch's flattened form: (Q_LEN, KV_LEN, the eight lists, Q_BLOCK, KV_BLOCK, mask_mod)."""
+        return (*self.seq_lengths, *(getattr(self, n) for n in LIST_NAMES), *self.BLOCK_SIZE,
+                self.mask_mod)
 
     @property
     def shape(self) -> tuple:
         """(B, H, Q_LEN, KV_LEN); B or H is 1 where the mask broadcasts."""
         B, H = self.kv_num_blocks.shape[:2]
         return (B, H) + self.seq_lengths
+
+    def numel(self) -> int:
+        """Elements of the mask's shape (not accounting for sparsity), as torch counts them."""
+        B, H, Q, KV = self.shape
+        return B * H * Q * KV
 
     @property
     def device(self) -> torch.device:
@@ -186,16 +106,8 @@ class BlockMask:
         return 100.0 * (1 - computed / total) if total else 0.0
 
     def to(self, device) -> "BlockMask":
-        moved = [t.to(device) for t in (
-            self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices,
-            self.q_num_blocks, self.q_indices, self.full_q_num_blocks, self.full_q_indices)]
+        moved = [getattr(self, n).to(device) for n in LIST_NAMES]
         return BlockMask(*moved, self.BLOCK_SIZE, self.mask_mod, self.seq_lengths)
-
-    def traced(self):
-        """The traced mask_mod (traced once, on first use)."""
-        if self._traced is None:
-            self._traced = trace(self.mask_mod, "mask_mod")
-        return self._traced
 
     def to_string(self, max_blocks: int = 32) -> str:
         """A picture of the block layout: '█' full, '░' partial, ' ' skipped (first batch and head)."""
@@ -232,17 +144,17 @@ class BlockMask:
 def _check_block_size(BLOCK_SIZE) -> tuple:
     sizes = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else tuple(BLOCK_SIZE)
     if len(sizes) != 2 or any(not isinstance(s, int) or s < 16 or s & (s - 1) for s in sizes):
-        raise expected("BLOCK_SIZE", "a power of two >= 16, or a (Q_BLOCK, KV_BLOCK) pair of them",
-                       BLOCK_SIZE, "use 128 (the default) or 64")
+        raise reported(expected("BLOCK_SIZE", "a power of two >= 16, or a (Q_BLOCK, KV_BLOCK) pair of "
+                                "them", BLOCK_SIZE, "use 128 (the default) or 64"))
     return sizes
 
 
 def _check_length(name, value, allow_none=False):
     if value is None and allow_none:
         return 1
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise expected(name, "a positive int" + (" or None (broadcast)" if allow_none else ""),
-                       repr(value), f"pass the {name} of your inputs")
+    if not isinstance(value, (int, torch.SymInt)) or isinstance(value, bool) or value < 1:
+        raise reported(expected(name, "a positive int" + (" or None (broadcast)" if allow_none else ""),
+                                repr(value), f"pass the {name} of your inputs"))
     return value
 
 
@@ -257,9 +169,11 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     ``B`` / ``H`` = None build one mask shared by every batch / head (the mod
     then sees b = 0 / h = 0). ``device`` defaults to CUDA when available, else
     CPU. ``BLOCK_SIZE`` is the sparse block size (an int or a (Q, KV) pair).
-    ``_compile`` is accepted for torch compatibility; flexgen always generates a kernel.
-    Memory is O(B * H * NQ * NKV), never O(Q_LEN * KV_LEN).
+    ``_compile`` is accepted for torch compatibility (flexgen's builder is always
+    compiled). Memory is O(B * H * NQ * NKV), never O(Q_LEN * KV_LEN). Works inside
+    torch.compile (one ``flexgen::block_mask`` op).
     """
+    from ..runtime.ops import call_block_mask
     Bn, Hn = _check_length("B", B, True), _check_length("H", H, True)
     Q_LEN, KV_LEN = _check_length("Q_LEN", Q_LEN), _check_length("KV_LEN", KV_LEN)
     q_block, kv_block = _check_block_size(BLOCK_SIZE)
@@ -267,58 +181,44 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     traced = trace_cached(mask_mod, "mask_mod")
-    lowered = lower(traced)
-    check_buffers(traced, device, like="the mask")
-    hit = _block_hits(lowered, traced, Bn, Hn, Q_LEN, KV_LEN, q_block, kv_block, device)
-    kv_lists, q_lists = _lists(hit)
-    mask = BlockMask(*kv_lists, *q_lists, (q_block, kv_block), mask_mod, (Q_LEN, KV_LEN))
-    mask._traced = traced
-    return mask
+    buf = call_block_mask(traced.buffers, traced.graph, Bn, Hn, Q_LEN, KV_LEN, q_block, kv_block, device)
+    lists = layout(Bn, Hn, -(-Q_LEN // q_block), -(-KV_LEN // kv_block)).views(buf)
+    return BlockMask(*lists, (q_block, kv_block), mask_mod, (Q_LEN, KV_LEN))
 
 
-def _block_hits(lowered, traced, B, H, Q_LEN, KV_LEN, q_block, kv_block, device) -> torch.Tensor:
-    """int32 ``[2, B, H, NQ, NKV]``: which blocks are partial (``[0]``) and which full (``[1]``).
+def mask_inputs(block_mask) -> tuple:
+    """What the ops take of a block mask: (mask program text, its captured tensors, the eight
+    lists, (Q_BLOCK, KV_BLOCK), (Q_LEN, KV_LEN)); a flexgen or a torch BlockMask, or None.
 
-    Interval bounds (``flexgen.bounds.block_flags``) decide most blocks full or
-    empty; the others, undecided, are looked at element by element,
-    which decides them exactly, and one indexed write stores the element
-    pass's partial and full rows. No int8 state tensor is built, and no
-    lookup of its values follows.
+    torch's masks may lack the full-block lists (``separate_full_blocks=False``): empty
+    ones stand in. torch's "no mask" marker (BLOCK_SIZE 2**30) counts as no mask.
     """
-    shape = (B, H, -(-Q_LEN // q_block), -(-KV_LEN // kv_block))
-    hit = torch.empty((2, *shape), dtype=torch.int32, device=device)
-    undecided, full = hit.unbind(0)
-    _, empty = bounds.block_flags(lowered.expr, B, H, Q_LEN, KV_LEN, q_block, kv_block,
-                                  buffer_map(traced), device, out=full)
-    # Undecided: neither full nor empty, i.e. full == empty (never both true;
-    # were they, the block would count as undecided and be looked at).
-    torch.eq(empty.expand(shape), full, out=undecided)
-    blocks = undecided.nonzero()                        # [N, 4]: b, h, q block, kv block
-    if blocks.shape[0]:
-        hit[(slice(None), *blocks.unbind(1))] = _classify_undecided(
-            lowered, traced, blocks, Q_LEN, KV_LEN, q_block, kv_block, B, H)
-    return hit
+    if block_mask is None:
+        return "", (), (), (), ()
+    if isinstance(block_mask, BlockMask):
+        traced = block_mask.traced()
+        lists = tuple(getattr(block_mask, n) for n in LIST_NAMES)
+    elif _is_torch_block_mask(block_mask):
+        if tuple(block_mask.BLOCK_SIZE) == (LARGE_SPARSE_BLOCK, LARGE_SPARSE_BLOCK):
+            return "", (), (), (), ()
+        if block_mask.q_indices is None:
+            raise reported(expected("block_mask", "a torch BlockMask with its q lists (for the backward "
+                                    "pass too)", "one built with compute_q_blocks=False",
+                                    "build it with create_block_mask or BlockMask.from_kv_blocks"))
+        traced = trace_cached(block_mask.mask_mod, "mask_mod")
+        lists = tuple(getattr(block_mask, n) for n in LIST_NAMES)
+        if lists[2] is None:
+            lists = (lists[0], lists[1], torch.zeros_like(lists[0]), torch.zeros_like(lists[1]),
+                     *lists[4:6], torch.zeros_like(lists[4]), torch.zeros_like(lists[5]))
+    else:
+        raise reported(expected("block_mask", "a BlockMask (flexgen's or torch's) or None",
+                                type(block_mask).__name__, "build it with create_block_mask"))
+    return traced.graph, traced.buffers, lists, tuple(block_mask.BLOCK_SIZE), tuple(block_mask.seq_lengths)
 
 
-def _classify_undecided(lowered, traced, blocks, Q_LEN, KV_LEN, q_block, kv_block, B=None, H=None):
-    """int32 [2, N]: whether each undecided block is partial, and whether it is full.
-
-    A few blocks are evaluated with torch ops (``flexgen.masks.mask_eval``), which
-    costs no kernel compile; many, or a mask the torch path cannot run, go
-    to the generated block-mask kernel.
-    """
-    if blocks.shape[0] * q_block * kv_block <= mask_eval.TORCH_MAX_ELEMENTS:
-        try:
-            return mask_eval.classify_blocks(lowered, traced.buffers, blocks, Q_LEN, KV_LEN,
-                                             q_block, kv_block, hits=True, B=B, H=H)
-        except mask_eval.Unsupported:
-            pass
-    device = blocks.device
-    hits = torch.empty(2, blocks.shape[0], dtype=torch.int32, device=device)
-    spec = KernelSpec("block_mask", mask=lowered.snippet, mask_buffers=lowered.buffers, num_warps=4)
-    # The kernel reads nonzero's int64 rows through their strides (column-major on a GPU).
-    launch.run(spec, device, blocks, hits, traced.buffers, Q_LEN, KV_LEN, q_block, kv_block)
-    return hits
+def _is_torch_block_mask(obj) -> bool:
+    flex = getattr(torch.nn.attention, "flex_attention", None)
+    return flex is not None and isinstance(obj, flex.BlockMask)
 
 
 def create_mask(mod, B, H, Q_LEN, KV_LEN, device=None) -> torch.Tensor:

@@ -5,8 +5,6 @@ given and the fix, before anything is traced or launched.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..errors import InputError, expected
@@ -43,15 +41,6 @@ def check_heads(Hq: int, Hkv: int, enable_gqa: bool) -> None:
         if Hq % Hkv:
             raise expected("query heads", f"a multiple of the key/value heads ({Hkv})", Hq,
                            "use a head count divisible by the number of key/value heads")
-
-
-def check_scale(scale, head_dim: int) -> float:
-    """The softmax scale: ``scale`` itself, or 1/sqrt(head_dim) for None."""
-    if scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-        raise expected("scale", "a float or None", type(scale).__name__, "pass a Python float")
-    return float(scale)
 
 
 def check_buffers(traced, device, like: str = "the query") -> None:

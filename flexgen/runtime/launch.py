@@ -77,9 +77,9 @@ def _library_interpreted():
             interpreter._patch_lang_tensor = patch_tensor
 
 
-def run(spec: KernelSpec, device: torch.device, *inputs, tune_blocks: tuple | None = None,
+def run(spec: KernelSpec, device: torch.device, inputs: dict, tune_blocks: tuple | None = None,
         replay: int = 0):
-    """Launch ``spec``'s kernel on ``inputs`` (the arguments its module's ``arguments`` takes).
+    """Launch ``spec``'s kernel on ``inputs`` (the keyword arguments its module's ``arguments`` takes).
 
     ``tune_blocks`` (the sparse block sizes) marks a launch whose tiles the
     caller left to flexgen: on a GPU it may launch an autotuned winner instead
@@ -165,7 +165,7 @@ def _launch_once(spec: KernelSpec, device: torch.device, inputs):
     index) of a launch that can be replayed, else None."""
     interpret = uses_interpreter(device)
     module = cache.load(spec, interpret=interpret)
-    grid, args, constexprs = module.arguments(*inputs)
+    grid, args, constexprs = module.arguments(**inputs)
     if RECORDED is not None:
         RECORDED.append((spec, args, constexprs))
     if "DOT_UPCAST" in module.KERNEL.arg_names:
@@ -256,3 +256,9 @@ def _launch_compiled(spec: KernelSpec, module, grid, args, constexprs):
         _COMPILED[key] = (kernel, tail)
         return kernel, grid, args, tail, device_index
     return None
+
+
+def clear_memos() -> None:
+    _COMPILED.clear()
+    _FITS.clear()
+    _INTERPRETED.clear()

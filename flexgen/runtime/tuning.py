@@ -176,7 +176,7 @@ def _pow2(n: int) -> int:
 
 def _bucket(inputs) -> tuple:
     """Sizes that change the best tiles: lengths and batch x heads, rounded up to powers of two."""
-    query, key = inputs[0], inputs[1]
+    query, key = inputs["q"], inputs["k"]
     B, H, q_len = query.shape[:3]
     return _pow2(q_len), _pow2(key.shape[2]), _pow2(B * H)
 

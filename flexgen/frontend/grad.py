@@ -1,0 +1,167 @@
+"""Derivatives of a score_mod for the backward kernels, printed like the mod itself.
+
+With ``z = score_mod(s)`` the backward needs ``dz/ds`` (every call) and
+``dz / d buffer[i]`` for each captured tensor that requires grad. Both come from
+sympy (``flexgen.frontend.expr.derivative``) on the canonical expression; the
+mod and its derivatives are printed together (``print_joint``), so what they
+share is computed once. A derivative that does not exist (the score through a
+floor, a learned value used as an index) is a ``GradientError`` naming the mod
+and the offending sub-expression in the mod's own terms.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from sympy.printing.str import StrPrinter
+
+from ..codegen.printer import Address, Snippet, print_address, print_joint
+from ..codegen.spec import BufferSig
+from ..errors import GradientError
+from .expr import INDEX_SYMBOLS, SCORE, NotDifferentiable, derivative, load_applications
+from .lowering import lower
+from .trace import TracedMod
+
+
+@dataclass(frozen=True)
+class Scatter:
+    """One load of a captured tensor whose gradient the dQ kernel accumulates."""
+    buffer: str            # the loaded buffer ("sbuf0")
+    grad_name: str         # its float32 gradient buffer ("sbuf0_grad")
+    index_text: str        # the index, for the kernel's comment
+    partial: str           # code of d mod / d (this load), after the mod's statements
+    partial_const: bool    # that derivative is a finite constant: no NaN guard
+    reduce_q: bool         # the index ignores q_idx: sum the tile over its rows first
+    reduce_kv: bool        # the index ignores kv_idx: sum over its columns first
+    address: Address       # where the load read, as an offset into the gradient buffer
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One kernel's printed mod: statements computing z and its derivatives, then the codes."""
+    snippet: Snippet | None             # the statements; ``result`` is z = score_mod(score)
+    score_grad: str | None              # d z / d score after the statements (None: it is 1)
+
+
+@dataclass(frozen=True)
+class LoweredGrad:
+    """What the two kernels need of a score_mod's derivatives."""
+    dq: _Part                           # z, d z / d score and d z / d each scattered load
+    dkdv: _Part                         # z and d z / d score
+    score_grad_const: bool
+    scatters: tuple
+    grad_buffers: tuple
+
+
+_GRADS: dict = {}
+
+
+def _const(e) -> bool:
+    return bool(e.is_number) and bool(e.is_finite)
+
+
+class _UserText(StrPrinter):
+    """sympy text in the mod's own terms: ``captured0[h, q_idx]``, ``(x).to(torch.int32)``."""
+
+    def _print_Function(self, e):
+        name = e.func.__name__
+        if name.startswith("sbuf") and name[4:].isdigit():
+            return f"captured{name[4:]}[{', '.join(self._print(a) for a in e.args)}]"
+        if name == "Trunc":
+            return f"({self._print(e.args[0])}).to(torch.int32)"
+        if name == "Sigmoid":
+            return f"sigmoid({self._print(e.args[0])})"
+        return super()._print_Function(e)
+
+
+def _describe(traced: TracedMod, what: str, err: NotDifferentiable, fix: str) -> GradientError:
+    names = "; ".join(f"captured{i} is the tensor of shape {list(t.shape)}"
+                      for i, t in enumerate(traced.buffers)
+                      if re.search(rf"\bsbuf{i}\b", str(err.part)))
+    where = f"`{_UserText().doprint(err.part)}`" + (f", where {names}" if names else "")
+    return GradientError(f"score_mod '{traced.name}': the gradient with respect to {what} cannot "
+                         f"be computed: {err.reason} ({where}). Fix: {fix}")
+
+
+def lower_grad(traced: TracedMod | None, grad_slots: tuple) -> LoweredGrad:
+    """Derivatives of ``traced`` (a score_mod, or None) w.r.t. the score and the buffers in ``grad_slots``.
+
+    Raises ``GradientError`` naming the mod when a derivative does not exist
+    or cannot be printed. Memoized per traced graph and set of slots.
+    """
+    if traced is None:
+        return LoweredGrad(_Part(None, None), _Part(None, None), True, (), ())
+    key = (traced.signature, grad_slots)
+    hit = _GRADS.get(key)
+    if hit is not None:
+        return hit
+    lowered = lower(traced)
+    expr = lowered.expr
+    name = traced.name
+    try:
+        d_score = derivative(expr, SCORE)
+    except NotDifferentiable as err:
+        raise _describe(traced, "the score", err,
+                        "keep floor / ceil / sign / integer casts off the score's path, or run "
+                        "without gradients (torch.no_grad(), or inputs that do not require grad)") from None
+    loads, partials = [], []
+    names = {f"sbuf{i}": i for i in grad_slots}
+    for app in load_applications(expr, names):
+        slot = names[app.func.__name__]
+        shape = list(traced.buffers[slot].shape)
+        try:
+            d = derivative(expr, app)
+        except NotDifferentiable as err:
+            raise _describe(traced, f"captured{slot} (shape {shape}, requires_grad=True)", err,
+                            "index with integer positions only and keep the loaded value off "
+                            "floor / ceil / sign / integer casts, or pass the tensor "
+                            ".detach()-ed if it should not be trained") from None
+        if d != 0:
+            loads.append(app)
+            partials.append(d)
+    score_grad_expr = None if d_score == 1 else d_score
+
+    def joint(exprs):
+        try:
+            return print_joint(exprs, "s_")
+        except RuntimeError as err:   # the printer met a node it has no Triton form for
+            raise GradientError(f"score_mod '{name}': its derivative cannot be turned into kernel "
+                                f"code ({err}). Fix: rewrite the mod with the functions listed in "
+                                "the flexgen.frontend.trace module docstring, or run without gradients") from None
+
+    head = [expr] + ([score_grad_expr] if score_grad_expr is not None else [])
+    dkdv = joint(head)
+    dq = joint(head + partials)
+    extra = dq.results[len(head):]
+    scatters = []
+    for n, (app, d, code) in enumerate(zip(loads, partials, extra)):
+        grad_name = f"{app.func.__name__}_grad"
+        free = app.free_symbols
+        scatters.append(Scatter(
+            buffer=app.func.__name__, grad_name=grad_name,
+            index_text=", ".join(str(a) for a in app.args), partial=code, partial_const=_const(d),
+            reduce_q=INDEX_SYMBOLS["q_idx"] not in free,
+            reduce_kv=INDEX_SYMBOLS["kv_idx"] not in free,
+            address=print_address(app, grad_name, f"g{n}_")))
+    grad_buffers = tuple(BufferSig(f"sbuf{i}_grad", traced.buffers[i].dim(), "float32")
+                         for i in grad_slots)
+    hit = LoweredGrad(
+        dq=_Part(Snippet(dq.lines, dq.results[0], dq.kinds[0]), _score_grad(dq, score_grad_expr)),
+        dkdv=_Part(Snippet(dkdv.lines, dkdv.results[0], dkdv.kinds[0]),
+                   _score_grad(dkdv, score_grad_expr)),
+        score_grad_const=score_grad_expr is None or _const(score_grad_expr),
+        scatters=tuple(scatters), grad_buffers=grad_buffers)
+    _GRADS[key] = hit
+    return hit
+
+
+def _score_grad(joint, score_grad_expr) -> str | None:
+    """The code of d mod / d score in ``joint`` (its second value), as float32."""
+    if score_grad_expr is None:
+        return None
+    code, kind = joint.results[1], joint.kinds[1]
+    return code if kind == "float" else f"({code}).to(tl.float32)"
+
+
+def clear_memos() -> None:
+    _GRADS.clear()

@@ -1,0 +1,168 @@
+"""Building a block mask's lists without the dense mask (what ``create_block_mask`` runs).
+
+Blocks are classified full / empty / undecided from interval bounds of the
+canonical mask expression (``flexgen.masks.bounds``); undecided blocks are
+evaluated element by element, with torch ops when they are few
+(``flexgen.masks.mask_eval``, no kernel to compile), else with a generated
+kernel. The result, a ``[2, B, H, NQ, NKV]`` int32 of partial / full flags
+(O(number of blocks)), is compacted into the eight index lists the attention
+kernels read (torch's BlockMask layout), all views of one int32 tensor laid out
+by ``layout`` — the output of the ``flexgen::block_mask`` op.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..codegen.spec import KernelSpec
+from ..frontend.lowering import buffer_map, lower
+from ..frontend.trace import TracedMod
+from ..runtime import launch
+from ..runtime.checks import check_buffers
+from . import bounds, mask_eval
+
+# Lists start on 16-byte boundaries (kernels specialize on pointer alignment): offsets
+# are multiples of 4 int32 elements.
+_ALIGN = 4
+
+# device -> int8 [2, 1, 1, 1, 1] of (PARTIAL, FULL), for hits_of_states
+_STATE_VALUES: dict = {}
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the eight lists of a [B, H, NQ, NKV] mask lie in one int32 tensor of ``size``."""
+    B: int
+    H: int
+    nq: int
+    nkv: int
+    n_kv: int                    # elements per kv count list, aligned
+    n_q: int                     # per q count list
+    n_idx: int                   # per index list
+
+    @property
+    def size(self) -> int:
+        return 2 * (self.n_kv + self.n_q + 2 * self.n_idx)
+
+    def stacked(self, buf: torch.Tensor) -> tuple:
+        """(kv counts [2, B, H, NQ], q counts [2, B, H, NKV], kv indices [2, B, H, NQ, NKV],
+        q indices [2, B, H, NKV, NQ]): partial then full, each contiguous."""
+        B, H, nq, nkv = self.B, self.H, self.nq, self.nkv
+        base = 2 * (self.n_kv + self.n_q)
+        return (buf.as_strided((2, B, H, nq), (self.n_kv, *_contiguous_strides((B, H, nq))), 0),
+                buf.as_strided((2, B, H, nkv), (self.n_q, *_contiguous_strides((B, H, nkv))), 2 * self.n_kv),
+                buf.as_strided((2, B, H, nq, nkv), (self.n_idx, *_contiguous_strides((B, H, nq, nkv))), base),
+                buf.as_strided((2, B, H, nkv, nq), (self.n_idx, *_contiguous_strides((B, H, nkv, nq))),
+                               base + 2 * self.n_idx))
+
+    def views(self, buf: torch.Tensor) -> tuple:
+        """(kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx):
+        counts [B, H, NQ] / [B, H, NKV], indices [B, H, NQ, NKV] / [B, H, NKV, NQ], contiguous."""
+        kv_num, q_num, kv_idx, q_idx = (t.unbind(0) for t in self.stacked(buf))
+        return (kv_num[0], kv_idx[0], kv_num[1], kv_idx[1], q_num[0], q_idx[0], q_num[1], q_idx[1])
+
+
+def layout(B: int, H: int, nq: int, nkv: int) -> Layout:
+    return Layout(B, H, nq, nkv, _aligned(B * H * nq), _aligned(B * H * nkv), _aligned(B * H * nq * nkv))
+
+
+def fill_lists(hit: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The lists of an int32 ``[2, B, H, NQ, NKV]`` of partial (``hit[0]``) / full (``hit[1]``)
+    flags, written into ``out`` (or a new tensor) laid out by ``layout``.
+
+    Per row, a list holds the indices of its blocks in that state, in increasing order,
+    then the other indices in increasing order as padding (torch's layout): a stable
+    descending sort. Both states go through each op (the leading dim of 2): two sorts,
+    two sums and two copies in all, into views of one tensor.
+    """
+    _, B, H, nq, nkv = hit.shape
+    lay = layout(B, H, nq, nkv)
+    if out is None:
+        out = torch.empty(lay.size, dtype=torch.int32, device=hit.device)
+    kv_num, q_num, kv_idx, q_idx = lay.stacked(out)
+    torch.sum(hit, -1, dtype=torch.int32, out=kv_num)
+    torch.sum(hit, -2, dtype=torch.int32, out=q_num)
+    kv_idx.copy_(hit.sort(dim=-1, descending=True, stable=True).indices)
+    q_idx.copy_(hit.transpose(-1, -2).sort(dim=-1, descending=True, stable=True).indices)
+    return out
+
+
+def hits_of_states(states: torch.Tensor) -> torch.Tensor:
+    """int32 ``[2, B, H, NQ, NKV]``: ``states == PARTIAL`` and ``states == FULL``."""
+    values = _STATE_VALUES.get(states.device)
+    if values is None:
+        values = torch.tensor([bounds.PARTIAL, bounds.FULL], dtype=torch.int8,
+                              device=states.device).view(2, 1, 1, 1, 1)
+        _STATE_VALUES[states.device] = values
+    hit = torch.empty((2, *states.shape), dtype=torch.int32, device=states.device)
+    return torch.eq(states, values, out=hit)
+
+
+def block_hits(lowered, traced, B, H, Q_LEN, KV_LEN, q_block, kv_block, device) -> torch.Tensor:
+    """int32 ``[2, B, H, NQ, NKV]``: which blocks are partial (``[0]``) and which full (``[1]``).
+
+    Interval bounds (``flexgen.masks.bounds.block_flags``) decide most blocks full or
+    empty; the others, undecided, are looked at element by element,
+    which decides them exactly, and one indexed write stores the element
+    pass's partial and full rows. No int8 state tensor is built, and no
+    lookup of its values follows.
+    """
+    shape = (B, H, -(-Q_LEN // q_block), -(-KV_LEN // kv_block))
+    hit = torch.empty((2, *shape), dtype=torch.int32, device=device)
+    undecided, full = hit.unbind(0)
+    _, empty = bounds.block_flags(lowered.expr, B, H, Q_LEN, KV_LEN, q_block, kv_block,
+                                  buffer_map(traced), device, out=full)
+    # Undecided: neither full nor empty, i.e. full == empty (never both true;
+    # were they, the block would count as undecided and be looked at).
+    torch.eq(empty.expand(shape), full, out=undecided)
+    blocks = undecided.nonzero()                        # [N, 4]: b, h, q block, kv block
+    if blocks.shape[0]:
+        hit[(slice(None), *blocks.unbind(1))] = _classify_undecided(
+            lowered, traced, blocks, Q_LEN, KV_LEN, q_block, kv_block, B, H)
+    return hit
+
+
+def _classify_undecided(lowered, traced, blocks, Q_LEN, KV_LEN, q_block, kv_block, B=None, H=None):
+    """int32 [2, N]: whether each undecided block is partial, and whether it is full.
+
+    A few blocks are evaluated with torch ops (``flexgen.masks.mask_eval``), which
+    costs no kernel compile; many, or a mask the torch path cannot run, go
+    to the generated block-mask kernel.
+    """
+    if blocks.shape[0] * q_block * kv_block <= mask_eval.TORCH_MAX_ELEMENTS:
+        try:
+            return mask_eval.classify_blocks(lowered, traced.buffers, blocks, Q_LEN, KV_LEN,
+                                             q_block, kv_block, hits=True, B=B, H=H)
+        except mask_eval.Unsupported:
+            pass
+    device = blocks.device
+    hits = torch.empty(2, blocks.shape[0], dtype=torch.int32, device=device)
+    spec = KernelSpec("block_mask", mask=lowered.snippet, mask_buffers=lowered.buffers, num_warps=4)
+    # The kernel reads nonzero's int64 rows through their strides (column-major on a GPU).
+    launch.run(spec, device, dict(blocks=blocks, hits=hits, mask_buffers=traced.buffers, q_len=Q_LEN,
+                                  kv_len=KV_LEN, q_block=q_block, kv_block=kv_block))
+    return hits
+
+
+def build(mask_buffers, mask_mod: str, B: int, H: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int,
+          KV_BLOCK: int, device) -> torch.Tensor:
+    """The lists of a mask_mod (its program text and captured tensors) over
+    ``[B, H, Q_LEN, KV_LEN]`` in blocks of ``Q_BLOCK x KV_BLOCK``, laid out by ``layout``."""
+    traced = TracedMod.from_graph(mask_mod, mask_buffers)
+    check_buffers(traced, device, like="the mask")
+    lowered = lower(traced)
+    hit = block_hits(lowered, traced, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device)
+    return fill_lists(hit)

@@ -1,0 +1,332 @@
+"""The one planner: what a call launches, from shapes, dtypes, strides, devices and mods.
+
+Every decision that shapes a launch is made here, as a pure function of what
+describes the inputs — never of data pointers, values or object identities — so
+the same code runs on real tensors (the ops' implementations) and on FakeTensors
+(their fake implementations, inside torch.compile and torch.export):
+
+- ``plan_attention``: checks a ``flex_attention`` call and picks its kernel (the
+  forward kernel, or the split-K decode kernel for a few queries per sequence),
+  its tiles and its spec;
+- ``plan_backward``: the dQ and dK/dV kernels of a planned call;
+- ``plan_decode``: the static half of a ``decode_attention`` / paged call.
+
+Plans are memoized on everything they read (bounded; ``clear_memos``). Mods
+arrive as the tracer's program texts (``flexgen.frontend.trace``) plus their
+captured tensors; a block mask as its eight lists, block size and lengths.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..codegen.spec import KernelSpec, dot_precision, kernel_spec, mod_fields
+from ..errors import expected
+from ..frontend.lowering import lower
+from ..frontend.trace import TracedMod
+from . import tuning
+from .checks import DTYPES, check_buffers, check_heads, check_tensor
+from .options import KernelOptions
+
+MAX_DECODE_QUERIES = 16          # AUTO's limit on queries per sequence for the decode kernel
+# The forward kernel loads Q, K, V and stores the output through TMA descriptors by default
+# for fp16 / bf16 on GPUs that have TMA (sm_90+), for calls of at least TMA_MIN_SCORES score
+# elements (B * Hq * Lq * Lkv, ~150 us of kernel at D=128): the H100 measured it 0-22% faster
+# than pointer loads, but its four host descriptors cost ~40 us a call, more than it gains
+# on a short kernel. USE_TMA=True / False decides either way.
+TMA_MIN_SCORES = 2 ** 27
+LARGE_SPARSE_BLOCK = 1 << 30     # torch's "no block mask" marker (_create_empty_block_mask)
+_MEMO_MAX = 512
+
+
+@dataclass(frozen=True)
+class Mask:
+    """A call's block mask as the planner sees it: the block size, the lengths it was
+    built for, and its lists' leading dims (B', H': 1 where it broadcasts)."""
+    block_size: tuple            # (Q_BLOCK, KV_BLOCK)
+    lengths: tuple               # (Q_LEN, KV_LEN) it was built for
+    batch: int
+    heads: int
+    q_blocks: int                # NQ of the kv lists
+    kv_blocks: int               # NKV of the kv lists
+
+
+@dataclass
+class AttentionPlan:
+    """A checked ``flex_attention`` call: which kernel, with what, and its outputs."""
+    kernel: str                  # "forward" or "decode"
+    B: int
+    Hq: int
+    Hkv: int
+    Lq: int
+    Lkv: int
+    D: int
+    Dv: int
+    dtype: torch.dtype
+    device: torch.device
+    scale: float
+    score: object                # LoweredMod or None
+    mask: object                 # LoweredMod or None (None also for a mask that keeps everything)
+    score_traced: object         # TracedMod or None (what plan_backward derives from)
+    mask_info: Mask | None
+    options: KernelOptions
+    spec: KernelSpec | None = None           # the forward kernel (TMA where chosen)
+    pointer_spec: KernelSpec | None = None   # its pointer variant, for inputs TMA cannot address
+    tune_blocks: tuple | None = None         # sparse block sizes the autotuner's tiles divide
+    decode: object = None                    # DecodePlan for the decode kernel
+    out_strides: tuple = ()                  # the output keeps the query's stride order
+    use_tma: bool = False                    # the [B, H, L, D] tensors through TMA descriptors
+    # Launch-time state that belongs to the plan: its replay slot and backward plans.
+    replay: list = field(default_factory=lambda: [None], repr=False)
+    backward: dict = field(default_factory=dict, repr=False)
+
+
+def _mask_info(block_lists, block_size, mask_lengths) -> Mask | None:
+    if not block_lists:
+        return None
+    kv_num, kv_idx = block_lists[0], block_lists[1]
+    return Mask(tuple(block_size), tuple(mask_lengths), kv_num.shape[0], kv_num.shape[1],
+                kv_idx.shape[2], kv_idx.shape[3])
+
+
+def _key(*tensors) -> tuple:
+    """What a plan reads of tensors: shape, strides, dtype, device (never data or identity)."""
+    return tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in tensors)
+
+
+def _memo(cache: dict, key, make):
+    try:
+        hit = cache.get(key)
+    except TypeError:            # symbolic sizes (dynamic shapes): plan without the memo
+        return make()
+    if hit is None:
+        if len(cache) >= _MEMO_MAX:
+            cache.clear()
+        hit = cache[key] = make()
+    return hit
+
+
+# ---------------------------------------------------------------------------------- checks
+
+def check_qkv(query, key, value, enable_gqa, block_batch: int | None) -> None:
+    """query [B, Hq, Lq, D], key [B or 1, Hkv, Lkv, D], value [B or 1, Hkv, Lkv, Dv]."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        check_tensor(name, t)
+    if not (query.dtype == key.dtype == value.dtype):
+        raise expected("key/value", f"the query's dtype {query.dtype}",
+                       f"key {key.dtype}, value {value.dtype}", "convert all three to one dtype")
+    if not (query.device == key.device == value.device):
+        raise expected("key/value", f"the query's device {query.device}",
+                       f"key on {key.device}, value on {value.device}", "move all three to one device")
+    B, Hq, _, D = query.shape
+    if key.shape[0] != value.shape[0] or key.shape[0] not in (1, B):
+        raise expected("key/value batch", f"batch {B} like query (or 1, shared by every query row)",
+                       f"{key.shape[0]} and {value.shape[0]}",
+                       "give query, key and value the same batch size")
+    if key.shape[1] != value.shape[1] or key.shape[2] != value.shape[2]:
+        raise expected("value", f"the key's heads and length {tuple(key.shape[1:3])}",
+                       tuple(value.shape[1:3]), "key and value must come from the same positions")
+    if key.shape[3] != D:
+        raise expected("key.shape[-1]", f"the query's head dim {D}", key.shape[3],
+                       "query and key need the same head dim (value's may differ)")
+    if B == 0 or Hq == 0 or key.shape[1] == 0:
+        raise expected("query/key", "at least one batch row and one head", f"query {list(query.shape)}, "
+                       f"key {list(key.shape)}", "skip the call for empty inputs")
+    check_heads(Hq, key.shape[1], enable_gqa)
+
+
+def check_mask(info: Mask | None, mask: object, B: int, Hq: int, Lq: int, Lkv: int) -> None:
+    """The block mask fits the call: its lengths, batch and heads (torch's rules)."""
+    if info is None:
+        return
+    mQ, mKV = info.lengths
+    if (mQ, mKV) != (Lq, Lkv):
+        bigger = mQ >= Lq and mKV >= Lkv
+        raise expected("block_mask", f"a mask for Q_LEN={Lq}, KV_LEN={Lkv}",
+                       f"one for Q_LEN={mQ}, KV_LEN={mKV}",
+                       "crop it with block_mask._adjust(q_len, kv_len) (its upper left corner: right "
+                       "for causal-like masks, not for every mask_mod) or build a new one with "
+                       f"create_block_mask(mask_mod, B, H, {Lq}, {Lkv})" if bigger else
+                       f"create_block_mask(mask_mod, B, H, {Lq}, {Lkv})")
+    q_block, kv_block = info.block_size
+    if info.q_blocks < -(-Lq // q_block) or info.kv_blocks < -(-Lkv // kv_block):
+        raise expected("block_mask", f"lists covering {-(-Lq // q_block)} query blocks and "
+                       f"{-(-Lkv // kv_block)} kv blocks of {info.block_size}",
+                       f"[{info.q_blocks}, {info.kv_blocks}]", "build the mask for these lengths")
+    if info.batch not in (1, B) or info.heads not in (1, Hq):
+        raise expected("block_mask", f"batch 1 or {B} and heads 1 or {Hq}",
+                       f"batch {info.batch}, heads {info.heads}",
+                       "create the mask with B and H of the query (or None to broadcast)")
+    if mask is not None:
+        # A mask built once for every head (H=None) whose mod reads h was classified with
+        # h = 0: other heads would get head 0's blocks. Refuse it rather than guess.
+        free = {s.name for s in mask.expr.free_symbols}
+        for index, size, mine, arg in (("b", info.batch, B, "B"), ("h", info.heads, Hq, "H")):
+            if index in free and size == 1 and mine > 1:
+                raise expected("block_mask", f"a mask built per {'batch row' if index == 'b' else 'head'} "
+                               f"(its mask_mod reads {index})", f"one built with {arg}=None (broadcast)",
+                               f"create_block_mask(mask_mod, B, H, ...) with {arg}={mine}")
+
+
+def check_captured(traced: TracedMod, device) -> None:
+    """Captured tensors are on the query's device (0-d CPU tensors too are moved by the op)."""
+    check_buffers(traced, device)
+
+
+# ---------------------------------------------------------------------------------- tiles
+
+def tiles(kernel: str, options: KernelOptions, part: str, head_dim: int, dtype: str, device,
+          sparse_q: int, sparse_kv: int) -> dict:
+    """BLOCK_M, BLOCK_N, num_warps, num_stages for ``kernel``: the tuning table's, with the
+    caller's choices on top, tiles dividing the sparse blocks."""
+    opts = tuning.options(kernel, head_dim, dtype, device, sparse_q, sparse_kv)
+    opts.update(options.tiles(part))
+    for k, sparse in (("BLOCK_M", sparse_q), ("BLOCK_N", sparse_kv)):
+        v = opts[k]
+        if v < 16 or v & (v - 1) or sparse % v:
+            name = {"dq": {"BLOCK_M": "BLOCK_M2", "BLOCK_N": "BLOCK_N2"},
+                    "dkdv": {"BLOCK_M": "BLOCK_M1", "BLOCK_N": "BLOCK_N1"}}.get(part, {}).get(k, k)
+            raise expected(f"kernel_options[{name!r}]",
+                           f"a power of two >= 16 dividing the sparse block {sparse}", v,
+                           "use 64 or 128 (or a smaller power of two)")
+    return opts
+
+
+def _use_tma(options: KernelOptions, B, Hq, Lq, Lkv, dtype, device) -> bool:
+    if options.USE_TMA is not None:
+        return options.USE_TMA
+    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+            and B * Hq * Lq * Lkv >= TMA_MIN_SCORES)
+
+
+def _tma_shapes_ok(query, key, value) -> bool:
+    """Whether TMA can address these layouts (alignment of the bases is checked at launch)."""
+    from ..codegen.spec import tma_layout_ok, has_tma
+    if not has_tma(query.device):
+        return False
+    B, H, L, _ = query.shape
+    Dv = value.shape[3]
+    out = ((B, H, L, Dv), (H * L * Dv, L * Dv, Dv, 1))
+    return (all(tma_layout_ok(t.shape, t.stride(), t.element_size()) for t in (query, key, value))
+            and tma_layout_ok(out[0], out[1], query.element_size()))
+
+
+def out_strides(query, Dv: int) -> tuple:
+    """Strides of a [B, H, L, Dv] output laid out in the query's stride order (as torch does)."""
+    shape = list(query.shape[:3]) + [Dv]
+    order = sorted(range(4), key=lambda d: (query.stride(d), d), reverse=True)
+    order.remove(3)
+    order.append(3)              # the head dim stays innermost
+    strides, step = [0] * 4, 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= shape[d]
+    return tuple(strides)
+
+
+# ---------------------------------------------------------------------------------- attention
+
+_ATTENTION: dict = {}
+
+
+def plan_attention(query, key, value, score_mod: str, score_buffers, mask_mod: str, mask_buffers,
+                   block_lists, block_size, mask_lengths, scale, enable_gqa: bool, options: str,
+                   want_max: bool = False) -> AttentionPlan:
+    """Check a ``flex_attention`` call and decide its kernel (memoized on what it reads).
+
+    ``want_max``: the call also asks for each row's largest score (the forward kernel
+    writes it; the decode kernel does not, so such calls take the forward kernel).
+    """
+    memo = (_key(query, key, value), score_mod, _key(*score_buffers), mask_mod, _key(*mask_buffers),
+            _key(*block_lists[:2]), tuple(block_size), tuple(mask_lengths), scale, enable_gqa, options,
+            want_max, torch.backends.cuda.matmul.allow_tf32 if query.device.type == "cuda" else None)
+    return _memo(_ATTENTION, memo, lambda: _plan_attention(
+        query, key, value, score_mod, score_buffers, mask_mod, mask_buffers, block_lists,
+        block_size, mask_lengths, scale, enable_gqa, options, want_max))
+
+
+def _plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers, block_lists,
+                    block_size, mask_lengths, scale, enable_gqa, options, want_max) -> AttentionPlan:
+    info = _mask_info(block_lists, block_size, mask_lengths)
+    check_qkv(query, key, value, enable_gqa, None if info is None else info.batch)
+    B, Hq, Lq, D = query.shape
+    Hkv, Lkv, Dv = key.shape[1], key.shape[2], value.shape[3]
+    device, dtype = query.device, query.dtype
+    opts = KernelOptions.from_text(options)
+    score_traced = TracedMod.from_graph(score_mod, score_buffers) if score_mod else None
+    mask_traced = TracedMod.from_graph(mask_mod, mask_buffers) if mask_mod else None
+    score = None if score_traced is None else lower(score_traced)
+    mask = None if mask_traced is None else lower(mask_traced)
+    for traced in (score_traced, mask_traced):
+        if traced is not None:
+            check_captured(traced, device)
+    check_mask(info, mask, B, Hq, Lq, Lkv)
+    if info is not None and mask_traced is None:
+        raise expected("block_mask", "a mask with its mask_mod", "lists without a mask_mod",
+                       "build it with create_block_mask (or give BlockMask.mask_mod)")
+    plan = AttentionPlan("forward", B, Hq, Hkv, Lq, Lkv, D, Dv, dtype, device, scale, score,
+                         None if mask is None or mask.is_true else mask, score_traced, info, opts,
+                         out_strides=out_strides(query, Dv))
+    few = Lq <= MAX_DECODE_QUERIES and not want_max
+    plan.use_tma = _use_tma(opts, B, Hq, Lq, Lkv, dtype, device) and _tma_shapes_ok(query, key, value)
+    if opts.BACKEND == "TRITON_DECODE" or (opts.BACKEND == "AUTO" and few):
+        if want_max:
+            raise expected("kernel_options['BACKEND']", "'AUTO' or 'TRITON' with return_aux max_scores",
+                           "'TRITON_DECODE'", "the decode kernel does not write max scores")
+        from ..kernels.decode import plan_decode
+        plan.kernel = "decode"
+        plan.decode = plan_decode(query, key, value, score_traced, mask_traced, info, enable_gqa,
+                                  opts, paged=False)
+        return plan
+    sparse_q, sparse_kv = info.block_size if info is not None else (128, 128)
+    name = tuning.forward_kernel(score, info is not None)
+    t = tiles(name, opts, "", max(D, Dv), DTYPES[dtype], device, sparse_q, sparse_kv)
+    use_tma = plan.use_tma
+
+    def spec(tma):
+        return kernel_spec(
+            "forward", **mod_fields(score, mask), qk_head=D, v_head=Dv, dtype=DTYPES[dtype],
+            has_block_mask=info is not None, block_m=t["BLOCK_M"], block_n=t["BLOCK_N"],
+            num_warps=t["num_warps"], num_stages=t["num_stages"],
+            dot_precision=dot_precision(query), use_tma=tma)
+
+    plan.spec = spec(use_tma)
+    plan.pointer_spec = spec(False) if use_tma else plan.spec
+    plan.tune_blocks = None if opts.sets_tiles else (sparse_q, sparse_kv)
+    return plan
+
+
+# ---------------------------------------------------------------------------------- backward
+
+def plan_backward(plan: AttentionPlan, query, key, value, grad_slots: tuple):
+    """The dQ and dK/dV kernels of a planned call (``flexgen.kernels.backward``), memoized
+    on the plan; raises GradientError naming the mod before anything runs."""
+    hit = plan.backward.get(grad_slots)
+    if hit is None:
+        from ..kernels.backward import backward_specs
+        info, opts = plan.mask_info, plan.options
+        sparse_q, sparse_kv = info.block_size if info is not None else (128, 128)
+        head_dim = max(plan.D, plan.Dv)
+        dq, dkdv = (tiles(kernel, opts, part, head_dim, DTYPES[plan.dtype], plan.device,
+                          sparse_q, sparse_kv)
+                    for kernel, part in (("backward.dq", "dq"), ("backward.dkdv", "dkdv")))
+        use_tma = plan.use_tma
+        hit = plan.backward[grad_slots] = backward_specs(
+            plan.score_traced, plan.mask, grad_slots, qk_head=plan.D, v_head=plan.Dv,
+            dtype=DTYPES[plan.dtype], has_block_mask=info is not None,
+            dot_precision=dot_precision(query), use_tma=use_tma, dq_tiles=dq, dkdv_tiles=dkdv,
+            tune_blocks=None if opts.sets_tiles else (sparse_q, sparse_kv))
+    return hit
+
+
+def clear_memos() -> None:
+    """Forget every plan (``flexgen.clear_caches``)."""
+    _ATTENTION.clear()
+    from ..kernels.decode import clear_memos as clear_decode
+    clear_decode()
+
+
+__all__ = ["AttentionPlan", "Mask", "plan_attention", "plan_backward", "check_qkv",
+           "check_mask", "tiles", "out_strides", "TMA_MIN_SCORES", "MAX_DECODE_QUERIES",
+           "LARGE_SPARSE_BLOCK", "clear_memos"]
