@@ -1,15 +1,24 @@
-"""The kernel cache: a private directory, atomic writes, and files that are
-checked against their key before import (a tampered file is never executed).
+"""The kernel cache: a private directory, atomic writes, and a module that runs the
+source rendered for its key, never a file (a tampered file is never executed).
 
 Each test points ``FLEXGEN_CACHE_DIR`` at a fresh directory and starts from an
 empty in-memory cache (``flexgen.codegen.cache._MODULES``, restored afterwards), so
-every kernel goes through the disk path.
+every kernel goes through the disk path. The attacks each test plays are named in
+its docstring; a payload that runs sets ``builtins.<MARKER>``.
+
 """
 from __future__ import annotations
 
 import builtins
+import inspect
+import linecache
+import multiprocessing
 import os
+import py_compile
 import stat
+import subprocess
+import sys
+from importlib.util import cache_from_source
 from pathlib import Path
 
 import pytest
@@ -24,6 +33,7 @@ from flexgen import mods as M
 from conftest import make_qkv, run_and_check
 
 MARKER = "_flexgen_test_tampered_module_ran"
+PAYLOAD = f"import builtins\nbuiltins.{MARKER} = True\n"
 
 
 @pytest.fixture
@@ -32,6 +42,7 @@ def fresh_cache(tmp_path, monkeypatch):
     path = tmp_path / "nested" / "flexgen-cache"
     monkeypatch.setenv("FLEXGEN_CACHE_DIR", str(path))
     monkeypatch.setattr(cache, "_MODULES", {})
+    monkeypatch.delattr(builtins, MARKER, raising=False)
     return path
 
 
@@ -82,7 +93,7 @@ def test_default_location_follows_xdg(monkeypatch, tmp_path):
 
 
 TAMPERED = {
-    "flag_on_import": f"import builtins\nbuiltins.{MARKER} = True\n",
+    "flag_on_import": PAYLOAD,
     "raise_on_import": f"import builtins\nbuiltins.{MARKER} = True\nraise SystemExit('tampered')\n",
     "not_utf8": None,
     "truncated": None,
@@ -183,3 +194,149 @@ def test_interpreter_and_compiled_modules_are_separate(fresh_cache):
     assert compiled is not interpreted
     assert compiled.__file__ == interpreted.__file__
     assert cache.load(spec, interpret=True) is interpreted
+
+
+# ---------------------------------------------------------------- what runs is what was verified
+
+def test_planted_bytecode_is_never_run(fresh_cache, monkeypatch):
+    """Attack: bytecode planted in ``__pycache__`` beside a correct kernel file. An
+    import would run it (Python prefers a valid .pyc to the .py it checked); the cache
+    compiles the verified text itself and never reads or writes ``__pycache__``."""
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    q, k, v = small_inputs()
+    spec = launch_spec(q, k, v, score_mod=softcap)
+    path = cache.module_path(spec)
+    assert not (fresh_cache / "__pycache__").exists(), "loading a kernel wrote bytecode"
+
+    payload = fresh_cache.parent / "payload.py"
+    payload.write_text(PAYLOAD)
+    pyc = Path(cache_from_source(str(path)))
+    # Unchecked-hash bytecode is used without looking at the source at all.
+    py_compile.compile(str(payload), cfile=str(pyc), doraise=True,
+                       invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    import importlib.util
+    planted = importlib.util.spec_from_file_location("planted_check", path)
+    planted.loader.exec_module(importlib.util.module_from_spec(planted))
+    assert getattr(builtins, MARKER, False), "the planted bytecode is not an attack on an import"
+    monkeypatch.delattr(builtins, MARKER)
+
+    monkeypatch.setattr(cache, "_MODULES", {})
+    run_and_check(q, k, v, score_mod=softcap)
+    assert cache.module_path(spec).read_text() == cache.source(spec)
+    assert not hasattr(builtins, MARKER), "planted bytecode was executed"
+
+
+SWAPPER = """
+import os, sys
+path, bad, running = sys.argv[1:]
+swaps = 0
+while os.path.exists(running):
+    with open(path + ".swap", "w") as f:
+        f.write(bad)
+    os.replace(path + ".swap", path)      # a whole tampered file, at any moment
+    swaps += 1
+print(swaps)
+"""
+
+
+def test_a_file_swapped_while_loading_never_runs(fresh_cache, monkeypatch, tmp_path):
+    """Attack: another process keeps replacing the kernel file with a tampered one
+    (payload + the real kernel) while this one loads the kernel 150 times. Whenever
+    the swap lands, between the check and the execution included, the tampered
+    text never runs: the module is compiled from the rendered text, not the file."""
+    q, k, v = small_inputs()
+    spec = launch_spec(q, k, v, score_mod=softcap)
+    path = cache.module_path(spec)
+    running = tmp_path / "running"
+    running.touch()
+    swapper = subprocess.Popen(
+        [sys.executable, "-c", SWAPPER, str(path), PAYLOAD + cache.source(spec), str(running)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        while path.read_text().startswith(cache.source(spec)[:40]):
+            pass                                    # until the first swap has landed
+        for _ in range(150):
+            monkeypatch.setattr(cache, "_MODULES", {})
+            module = cache.load(spec, interpret=False)
+            assert not hasattr(builtins, MARKER), "a swapped-in file was executed"
+    finally:
+        running.unlink()
+        swaps = int(swapper.communicate(timeout=30)[0])
+    assert swaps > 0
+    assert inspect.getsource(module.KERNEL.fn) in cache.source(spec)
+    monkeypatch.setattr(cache, "_MODULES", {})
+    run_and_check(q, k, v, score_mod=softcap)
+    assert not hasattr(builtins, MARKER)
+
+
+def test_triton_reads_the_verified_text_not_the_file(fresh_cache, monkeypatch):
+    """Attack: the kernel file is changed after its module was loaded and linecache is
+    cleared (torch.compile clears it), before the first launch. The interpreter reads
+    a kernel's source to rewrite it; it must get the verified text, not the file's."""
+    q, k, v = small_inputs()
+    spec = launch_spec(q, k, v, score_mod=softcap)
+    path = cache.module_path(spec)
+    good = cache.source(spec)
+    monkeypatch.setattr(cache, "_MODULES", {})
+    interpreted = cache.load(spec, interpret=True)
+    compiled = cache.load(spec, interpret=False)
+
+    # Same lines, so the kernel's line numbers still point into the tampered file.
+    line = "    SUBBLOCKS: tl.constexpr = SPARSE_KV_BLOCK // BLOCK_N\n"
+    assert line in good
+    path.write_text(good.replace(line, line[:-1] + f"; __import__('builtins').{MARKER} = True\n"))
+    linecache.clearcache()
+
+    run_and_check(q, k, v, score_mod=softcap)
+    assert cache._MODULES[(spec.key, True)] is interpreted
+    assert not hasattr(builtins, MARKER), "the interpreter ran the file's text"
+    assert compiled.KERNEL.src in good
+
+
+# ---------------------------------------------------------------- concurrent writers
+
+def _writer(spec, good, rounds):
+    """One of several processes that delete and regenerate the same kernel file."""
+    path = cache.module_path(spec)
+    for _ in range(rounds):
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        cache._MODULES.clear()
+        cache.load(spec, interpret=False)
+        try:
+            seen = path.read_text()
+        except FileNotFoundError:
+            continue                                # another writer's unlink
+        if seen != good:
+            os._exit(3)
+    os._exit(0)
+
+
+def test_concurrent_writers_never_expose_a_partial_file(fresh_cache, monkeypatch):
+    """Failure: several processes generate the same kernel at once, each deleting and
+    rewriting its file. A reader only ever finds no file or the whole verified text
+    (writes are temp file + rename), and no temp file is left behind."""
+    q, k, v = small_inputs()
+    spec = launch_spec(q, k, v, score_mod=softcap)
+    good = cache.source(spec)
+    path = cache.module_path(spec)
+    # fork: the children start at once with everything imported (a spawned
+    # process would import torch first).
+    context = multiprocessing.get_context("fork")
+    writers = [context.Process(target=_writer, args=(spec, good, 60)) for _ in range(3)]
+    for writer in writers:
+        writer.start()
+    seen = set()
+    while any(writer.is_alive() for writer in writers):
+        try:
+            seen.add(path.read_text() == good)
+        except FileNotFoundError:
+            pass
+    for writer in writers:
+        writer.join()
+    assert [writer.exitcode for writer in writers] == [0, 0, 0]
+    assert seen <= {True}, "a reader saw a partial or foreign kernel file"
+    assert path.read_text() == good
+    assert [p.name for p in fresh_cache.iterdir()] == [path.name]

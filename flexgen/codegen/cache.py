@@ -1,22 +1,28 @@
-"""Generated kernel modules: in memory first, then on disk.
+"""Generated kernel modules: in memory first, with a verified copy on disk.
 
-The disk cache lives in ``$FLEXGEN_CACHE_DIR`` (default
-``$XDG_CACHE_HOME/flexgen`` or ``~/.cache/flexgen``), a directory private to
-the user (0700). A module file is named by its spec's key and written
-atomically (temp file + rename). Before a file is imported its content must
-equal the source rendered for that key, byte for byte: a truncated,
-corrupted or tampered file is rewritten, never executed. Triton's own cache
-then finds the compiled binary for the same source on the next process.
+A module's source is rendered from its spec, and that text is what runs: it is
+compiled from the string and executed into a fresh module object. Nothing is
+ever imported from the cache directory, so a file swapped on disk after it was
+checked cannot run, and Python neither reads nor writes bytecode
+(``__pycache__``) there.
+
+The copy on disk is for people (``kernel_source``, tracebacks) and lives in
+``$FLEXGEN_CACHE_DIR`` (default ``$XDG_CACHE_HOME/flexgen`` or
+``~/.cache/flexgen``), a directory private to the user (0700). A file that does
+not hold exactly the rendered source is replaced atomically (temp file +
+rename), so concurrent writers never see half a file. Triton's own cache then
+finds the compiled binary for the same source on the next process.
 """
 from __future__ import annotations
 
 import contextlib
-import importlib.util
+import linecache
 import os
 import stat
 import sys
 import tempfile
 import threading
+import types
 from pathlib import Path
 
 from ..errors import FlexgenError
@@ -73,11 +79,10 @@ def _write_atomically(path: Path, text: str) -> None:
         raise
 
 
-def _file_for(spec: KernelSpec) -> Path:
-    """The module file for ``spec``, verified (or rewritten) to hold exactly its source."""
-    text = source(spec)
-    folder = _private_dir()
-    path = folder / f"{spec.kernel_name}.py"
+def _disk_copy(name: str, text: str) -> Path:
+    """The file holding exactly ``text`` as ``<name>.py`` in the cache directory, kept if
+    it is already there and verified, else written."""
+    path = _private_dir() / f"{name}.py"
     try:
         with open(path, encoding="utf-8") as f:
             ok = f.read() == text
@@ -102,6 +107,34 @@ def _interpreter(enabled: bool):
             os.environ["TRITON_INTERPRET"] = old
 
 
+def _execute(name: str, text: str, path: Path, interpret: bool) -> types.ModuleType:
+    """A fresh module ``name`` running ``text``, compiled from the string itself."""
+    filename = str(path)
+    # Triton reads each kernel's source with inspect.getsourcelines, that is from
+    # linecache under the code's file name. An entry without an mtime is never
+    # checked against the disk: Triton gets the verified text whatever the file
+    # holds by then.
+    linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
+    # dont_inherit: this module's `from __future__ import annotations` would turn the
+    # kernels' tl.constexpr annotations into strings.
+    code = compile(text, filename, "exec", dont_inherit=True)
+    module = types.ModuleType(name)
+    module.__file__ = filename
+    sys.modules[name] = module      # triton resolves helper functions through it
+    with _interpreter(interpret):
+        exec(code, module.__dict__)
+    if interpret:
+        # The interpreter reads a function's source again at its first launch, to
+        # rewrite it. Doing that now, while linecache holds the verified text, leaves
+        # no later read that a cleared linecache (torch.compile clears it) would send
+        # to the file on disk.
+        from triton.runtime.interpreter import InterpretedFunction
+        for value in list(vars(module).values()):
+            if isinstance(value, InterpretedFunction):
+                value.rewrite()
+    return module
+
+
 def load(spec: KernelSpec, interpret: bool):
     """The kernel module for ``spec``; ``interpret`` loads it for the Triton interpreter (CPU)."""
     cache_key = (spec.key, interpret)
@@ -111,12 +144,8 @@ def load(spec: KernelSpec, interpret: bool):
     with _LOCK:
         module = _MODULES.get(cache_key)
         if module is None:
-            path = _file_for(spec)
+            text = source(spec)
             name = f"flexgen_kernels.{spec.kernel_name}{'_interp' if interpret else ''}"
-            module_spec = importlib.util.spec_from_file_location(name, path)
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules[name] = module      # triton resolves helper functions through it
-            with _interpreter(interpret):
-                module_spec.loader.exec_module(module)
+            module = _execute(name, text, _disk_copy(spec.kernel_name, text), interpret)
             _MODULES[cache_key] = module
     return module
