@@ -6,6 +6,9 @@ empty in-memory cache (``flexgen.codegen.cache._MODULES``, restored afterwards),
 every kernel goes through the disk path. The attacks each test plays are named in
 its docstring; a payload that runs sets ``builtins.<MARKER>``.
 
+The CI runs as root, where file permissions do not stop a write
+and ``os.chown`` works: foreign owners are made with chown where possible and
+else reported through ``os.stat`` / ``os.fstat``.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from conftest import make_qkv, run_and_check
 
 MARKER = "_flexgen_test_tampered_module_ran"
 PAYLOAD = f"import builtins\nbuiltins.{MARKER} = True\n"
+FOREIGN_UID = 4242
 
 
 @pytest.fixture
@@ -44,6 +48,37 @@ def fresh_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(cache, "_MODULES", {})
     monkeypatch.delattr(builtins, MARKER, raising=False)
     return path
+
+
+def make_foreign(path, how, monkeypatch):
+    """Make ``path`` someone else's: ``"chown"`` gives it to FOREIGN_UID (root only);
+    ``"reported"`` leaves it ours but has ``os.stat`` / ``os.fstat`` report FOREIGN_UID
+    as its owner, which is all the cache can see of an owner."""
+    if how == "chown":
+        if os.getuid() != 0:
+            pytest.skip("chown to another user needs root")
+        os.chown(path, FOREIGN_UID, -1, follow_symlinks=False)
+        return
+    info = os.stat(path, follow_symlinks=False)
+    inode = (info.st_dev, info.st_ino)
+
+    class Foreign:
+        st_uid = FOREIGN_UID
+
+        def __init__(self, real):
+            self.real = real
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+    def reporting(real_call):
+        def call(*args, **kwargs):
+            result = real_call(*args, **kwargs)
+            return Foreign(result) if (result.st_dev, result.st_ino) == inode else result
+        return call
+
+    monkeypatch.setattr(os, "stat", reporting(os.stat))
+    monkeypatch.setattr(os, "fstat", reporting(os.fstat))
 
 
 def small_inputs():
@@ -75,12 +110,23 @@ def test_directory_created_private(fresh_cache):
     assert cache.cache_dir() == fresh_cache
 
 
-def test_group_writable_directory_is_made_private(fresh_cache):
-    fresh_cache.mkdir(parents=True)
-    os.chmod(fresh_cache, 0o777)
+@pytest.mark.parametrize("mode", [0o770, 0o777], ids=oct)
+def test_group_writable_directory_is_made_private(fresh_cache, mode, monkeypatch):
+    """Attack: others could write to the cache directory and planted a kernel file
+    there (their own file, with a payload). The directory is taken back (0700) and
+    the planted file is replaced, never executed."""
     q, k, v = small_inputs()
-    launch_spec(q, k, v)
+    spec = launch_spec(q, k, v)
+    path = cache.module_path(spec)
+    path.unlink()
+    path.write_text(PAYLOAD + cache.source(spec))
+    make_foreign(path, "chown" if os.getuid() == 0 else "reported", monkeypatch)
+    os.chmod(fresh_cache, mode)
+    monkeypatch.setattr(cache, "_MODULES", {})
+    run_and_check(q, k, v)
     assert stat.S_IMODE(fresh_cache.stat().st_mode) == 0o700
+    assert not hasattr(builtins, MARKER), "a planted file was executed"
+    assert path.read_text() == cache.source(spec)
 
 
 def test_default_location_follows_xdg(monkeypatch, tmp_path):
@@ -340,3 +386,79 @@ def test_concurrent_writers_never_expose_a_partial_file(fresh_cache, monkeypatch
     assert seen <= {True}, "a reader saw a partial or foreign kernel file"
     assert path.read_text() == good
     assert [p.name for p in fresh_cache.iterdir()] == [path.name]
+
+
+# ---------------------------------------------------------------- files the cache does not trust
+
+def _replaced(path, before, good) -> bool:
+    """``path`` is now a new regular private file of ours holding ``good``."""
+    after = os.stat(path, follow_symlinks=False)
+    return ((after.st_dev, after.st_ino) != (before.st_dev, before.st_ino)
+            and stat.S_ISREG(after.st_mode) and after.st_uid == os.getuid()
+            and stat.S_IMODE(after.st_mode) == 0o600 and path.read_text() == good)
+
+
+@pytest.mark.parametrize("how", ["chown", "reported"])
+def test_a_foreign_owned_file_is_replaced(fresh_cache, monkeypatch, how):
+    """Failure: a kernel file that belongs to another user (planted, or left by a
+    process running as someone else). Even with the right content it is not trusted:
+    it is replaced by a file of ours."""
+    q, k, v = small_inputs()
+    spec = launch_spec(q, k, v, score_mod=softcap)
+    path = cache.module_path(spec)
+    make_foreign(path, how, monkeypatch)
+    before = os.stat(path)
+    monkeypatch.setattr(cache, "_MODULES", {})
+    run_and_check(q, k, v, score_mod=softcap)
+    assert _replaced(path, before, cache.source(spec))
+
+
+@pytest.mark.parametrize("mode", [0o620, 0o606, 0o666], ids=oct)
+def test_a_file_others_can_write_is_replaced(fresh_cache, monkeypatch, mode):
+    """Failure: a kernel file of ours that the group or others may write (someone could
+    change it at any moment). Right content or not, it is replaced by a 0600 file."""
+    q, k, v = small_inputs()
+    spec = launch_spec(q, k, v, score_mod=softcap)
+    path = cache.module_path(spec)
+    os.chmod(path, mode)
+    before = os.stat(path)
+    monkeypatch.setattr(cache, "_MODULES", {})
+    run_and_check(q, k, v, score_mod=softcap)
+    assert _replaced(path, before, cache.source(spec))
+
+
+@pytest.mark.parametrize("target", ["tampered", "correct"])
+def test_a_symlinked_file_is_not_followed(fresh_cache, monkeypatch, tmp_path, target):
+    """Attack: the kernel file is a symlink to a file the attacker controls. It is
+    never opened through the link (not even when the target holds the right text)
+    and never written through: the link itself is replaced."""
+    q, k, v = small_inputs()
+    spec = launch_spec(q, k, v, score_mod=softcap)
+    path = cache.module_path(spec)
+    good = cache.source(spec)
+    attacker = tmp_path / "attacker.py"
+    attacker.write_text(PAYLOAD + good if target == "tampered" else good)
+    planted = attacker.read_text()
+    path.unlink()
+    path.symlink_to(attacker)
+    before = os.stat(path, follow_symlinks=False)
+
+    monkeypatch.setattr(cache, "_MODULES", {})
+    run_and_check(q, k, v, score_mod=softcap)
+    assert not hasattr(builtins, MARKER), "a symlinked file was executed"
+    assert attacker.read_text() == planted, "the cache wrote through a symlink"
+    assert _replaced(path, before, good)
+
+
+def test_a_planted_fifo_does_not_hang_the_load(fresh_cache, monkeypatch):
+    """Attack: a FIFO where the kernel file should be (opening it for reading would
+    block until a writer comes). It is opened without blocking and replaced."""
+    q, k, v = small_inputs()
+    spec = launch_spec(q, k, v, score_mod=softcap)
+    path = cache.module_path(spec)
+    path.unlink()
+    os.mkfifo(path, 0o600)
+    before = os.stat(path)
+    monkeypatch.setattr(cache, "_MODULES", {})
+    run_and_check(q, k, v, score_mod=softcap)
+    assert _replaced(path, before, cache.source(spec))

@@ -8,10 +8,11 @@ checked cannot run, and Python neither reads nor writes bytecode
 
 The copy on disk is for people (``kernel_source``, tracebacks) and lives in
 ``$FLEXGEN_CACHE_DIR`` (default ``$XDG_CACHE_HOME/flexgen`` or
-``~/.cache/flexgen``), a directory private to the user (0700). A file that does
-not hold exactly the rendered source is replaced atomically (temp file +
-rename), so concurrent writers never see half a file. Triton's own cache then
-finds the compiled binary for the same source on the next process.
+``~/.cache/flexgen``), a directory private to the user (0700). A file is kept
+only if it is a regular file of the user's that no one else can write and it
+holds exactly the rendered source; anything else is replaced atomically (temp
+file + rename), so concurrent writers never see half a file. Triton's own cache
+then finds the compiled binary for the same source on the next process.
 """
 from __future__ import annotations
 
@@ -65,11 +66,37 @@ def source(spec: KernelSpec) -> str:
     return render(spec)
 
 
+def _read_private(path: Path) -> bytes | None:
+    """The bytes of ``path`` if it is a regular file of the user's that no one else
+    can write; None for anything else (missing, a symlink, a FIFO, someone else's).
+
+    The checks run on the opened file, so what is checked is what is read.
+    O_NOFOLLOW refuses a symlink without opening what it points at; O_NONBLOCK
+    keeps a planted FIFO from hanging the open.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with open(fd, "rb") as f:
+        try:
+            info = os.fstat(fd)
+            if (not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid()
+                    or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)):
+                return None
+            return f.read()
+        except OSError:
+            return None
+
+
 def _write_atomically(path: Path, text: str) -> None:
+    # mkstemp creates the file 0600 with O_EXCL (never through a planted symlink), and
+    # rename replaces whatever sits at ``path`` (a symlink included) in one step:
+    # a concurrent reader sees the old file or the whole new one.
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".py")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(text.encode("utf-8"))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -83,12 +110,7 @@ def _disk_copy(name: str, text: str) -> Path:
     """The file holding exactly ``text`` as ``<name>.py`` in the cache directory, kept if
     it is already there and verified, else written."""
     path = _private_dir() / f"{name}.py"
-    try:
-        with open(path, encoding="utf-8") as f:
-            ok = f.read() == text
-    except (OSError, UnicodeDecodeError):
-        ok = False
-    if not ok:
+    if _read_private(path) != text.encode("utf-8"):
         _write_atomically(path, text)
     return path
 
