@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import builtins
 import inspect
+import json
 import linecache
 import multiprocessing
 import os
@@ -32,6 +33,7 @@ from flexgen import create_block_mask, flex_attention, kernel_source
 from flexgen.runtime import aot
 
 from flexgen.codegen import cache
+from flexgen.runtime import tuning
 from flexgen import mods as M
 from conftest import make_qkv, run_and_check
 
@@ -462,3 +464,48 @@ def test_a_planted_fifo_does_not_hang_the_load(fresh_cache, monkeypatch):
     monkeypatch.setattr(cache, "_MODULES", {})
     run_and_check(q, k, v, score_mod=softcap)
     assert _replaced(path, before, cache.source(spec))
+
+
+# ---------------------------------------------------------------- the autotune store
+
+STORED = {"version": tuning.STORE_VERSION,
+          "entries": {"some-kernel|H100|1024x1024x8": {"config": dict(
+              BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)}}}
+
+
+def _planted_store(folder, how, monkeypatch, tmp_path):
+    store = folder / tuning.STORE_NAME
+    if how == "symlink":
+        target = tmp_path / "attacker.json"
+        target.write_text(json.dumps(STORED))
+        store.symlink_to(target)
+        return target
+    store.write_text(json.dumps(STORED))
+    if how == "world_writable":
+        os.chmod(store, 0o666)
+    elif how in ("chown", "reported"):
+        make_foreign(store, how, monkeypatch)
+    return store
+
+
+@pytest.mark.parametrize("how", ["private", "symlink", "world_writable", "chown", "reported"])
+def test_an_untrusted_autotune_store_is_ignored_and_replaced(fresh_cache, monkeypatch, tmp_path,
+                                                             how):
+    """Attack: autotune.json is a symlink to a file the attacker controls, someone
+    else's file, or one anyone may write. Its winners (data that picks the tiles a
+    kernel launches with) are ignored, and a new winner replaces the file or the link,
+    never writing through it. A private file of ours ("private") is read."""
+    fresh_cache.mkdir(parents=True, mode=0o700)
+    planted = _planted_store(fresh_cache, how, monkeypatch, tmp_path)
+    before = planted.read_text()
+    monkeypatch.setattr(tuning, "_STORED", None)
+    trusted = how == "private"
+    assert tuning._load_store() == (STORED["entries"] if trusted else {})
+
+    tuning._save_winner("new", {"config": {}})
+    store = fresh_cache / tuning.STORE_NAME
+    assert stat.S_ISREG(os.stat(store, follow_symlinks=False).st_mode)
+    assert set(json.loads(store.read_text())["entries"]) == (
+        {"new"} | (set(STORED["entries"]) if trusted else set()))
+    if how == "symlink":
+        assert planted.read_text() == before, "the store was written through a symlink"

@@ -212,16 +212,22 @@ def _store_path():
 
 
 def _load_store() -> dict:
-    """The stored winners; a missing, unreadable or malformed file counts as empty."""
+    """The stored winners. A missing, malformed or untrusted file counts as empty: the
+    store is read by the cache's rule for its files (a regular file of the user's
+    that no one else can write; a symlink is not followed)."""
     global _STORED
     if _STORED is None:
-        try:
-            with open(_store_path(), encoding="utf-8") as f:
-                data = json.load(f)
-            entries = data["entries"] if data.get("version") == STORE_VERSION else {}
-            _STORED = {k: v for k, v in entries.items() if isinstance(k, str) and isinstance(v, dict)}
-        except (OSError, ValueError, TypeError, KeyError, AttributeError):
-            _STORED = {}
+        from ..codegen.cache import _read_private
+        data = _read_private(_store_path())
+        _STORED = {}
+        if data is not None:
+            try:
+                parsed = json.loads(data)
+                entries = parsed["entries"] if parsed.get("version") == STORE_VERSION else {}
+                _STORED = {k: v for k, v in entries.items()
+                           if isinstance(k, str) and isinstance(v, dict)}
+            except (ValueError, TypeError, KeyError, AttributeError):
+                pass
     return _STORED
 
 
