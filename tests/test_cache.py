@@ -8,11 +8,13 @@ its docstring; a payload that runs sets ``builtins.<MARKER>``.
 
 The CI runs as root, where file permissions do not stop a write
 and ``os.chown`` works: foreign owners are made with chown where possible and
-else reported through ``os.stat`` / ``os.fstat``.
+else reported through ``os.stat`` / ``os.fstat``; conditions permissions cannot
+force for root (a read-only directory) are forced by the failing call itself.
 """
 from __future__ import annotations
 
 import builtins
+import errno
 import inspect
 import json
 import linecache
@@ -22,20 +24,21 @@ import py_compile
 import stat
 import subprocess
 import sys
+import warnings
 from importlib.util import cache_from_source
 from pathlib import Path
 
 import pytest
 import torch
 
-from flexgen import create_block_mask, flex_attention, kernel_source
+from flexgen import FlexgenError, create_block_mask, flex_attention, kernel_source
 
 from flexgen.runtime import aot
 
 from flexgen.codegen import cache
 from flexgen.runtime import tuning
 from flexgen import mods as M
-from conftest import make_qkv, run_and_check
+from conftest import AOT_ENABLED, make_qkv, run_and_check
 
 MARKER = "_flexgen_test_tampered_module_ran"
 PAYLOAD = f"import builtins\nbuiltins.{MARKER} = True\n"
@@ -48,6 +51,7 @@ def fresh_cache(tmp_path, monkeypatch):
     path = tmp_path / "nested" / "flexgen-cache"
     monkeypatch.setenv("FLEXGEN_CACHE_DIR", str(path))
     monkeypatch.setattr(cache, "_MODULES", {})
+    monkeypatch.setattr(cache, "_warned_memory_only", False)
     monkeypatch.delattr(builtins, MARKER, raising=False)
     return path
 
@@ -466,6 +470,96 @@ def test_a_planted_fifo_does_not_hang_the_load(fresh_cache, monkeypatch):
     assert _replaced(path, before, cache.source(spec))
 
 
+# ---------------------------------------------------------------- directories
+
+@pytest.mark.parametrize("how", ["chown", "reported"])
+def test_a_foreign_owned_directory_is_an_error(fresh_cache, monkeypatch, how):
+    """Misconfiguration that cannot be degraded: FLEXGEN_CACHE_DIR is another user's
+    directory (on a shared path someone created it first). The error names the
+    variable, the owner found and the fix; nothing is written there."""
+    fresh_cache.mkdir(parents=True)
+    make_foreign(fresh_cache, how, monkeypatch)
+    q, k, v = small_inputs()
+    with pytest.raises(FlexgenError, match=r"FLEXGEN_CACHE_DIR: expected a directory owned by "
+                                           r"the current user .* owned by uid 4242\. Fix: "):
+        flex_attention(q, k, v, score_mod=softcap)
+    assert list(fresh_cache.iterdir()) == []
+
+
+def test_a_shared_sticky_directory_is_an_error_and_left_alone(fresh_cache):
+    """Misconfiguration: FLEXGEN_CACHE_DIR is a shared scratch directory of ours (mode
+    1777, like /tmp for root). Making it private would lock its other users out, so
+    its mode is left as it is and the error says to use a directory inside it."""
+    fresh_cache.mkdir(parents=True)
+    os.chmod(fresh_cache, 0o1777)
+    q, k, v = small_inputs()
+    with pytest.raises(FlexgenError, match=r"FLEXGEN_CACHE_DIR: expected a private directory, "
+                                           r".*1777.*Fix: "):
+        flex_attention(q, k, v, score_mod=softcap)
+    assert stat.S_IMODE(fresh_cache.stat().st_mode) == 0o1777
+
+
+def _fail_with(error_number):
+    def fail(*args, **kwargs):
+        raise OSError(error_number, os.strerror(error_number))
+    return fail
+
+
+# How each case forces its condition, for root too (which ignores permission bits).
+UNUSABLE = {
+    # A regular file where a parent directory should be: mkdir fails with ENOTDIR.
+    "under_a_file": lambda path, mp: path.parent.write_text("not a directory\n"),
+    # FLEXGEN_CACHE_DIR names a regular file: mkdir fails with EEXIST.
+    "is_a_file": lambda path, mp: (path.parent.mkdir(), path.write_text("a file\n")),
+    # A read-only file system: mkdir itself fails with EROFS.
+    "read_only_fs": lambda path, mp: mp.setattr(os, "mkdir", _fail_with(errno.EROFS)),
+    # An existing directory we may not write: 0500, and the temp file's creation fails
+    # with EACCES (root would be allowed, so the failure is forced for it too).
+    "read_only_dir": lambda path, mp: (path.mkdir(parents=True), os.chmod(path, 0o500),
+                                       mp.setattr(cache.tempfile, "mkstemp",
+                                                  _fail_with(errno.EACCES))),
+}
+
+
+@pytest.mark.parametrize("case", list(UNUSABLE))
+def test_an_unusable_directory_degrades_to_memory_with_one_warning(fresh_cache, monkeypatch,
+                                                                  case):
+    """Failure: the cache directory cannot be created or written. Kernels still run,
+    from memory, and the process gets one warning naming FLEXGEN_CACHE_DIR and the
+    fix, however many kernels it loads; no raw OSError escapes."""
+    UNUSABLE[case](fresh_cache, monkeypatch)
+    q, k, v = small_inputs()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for mod in (softcap, None, softcap):
+            run_and_check(q, k, v, score_mod=mod)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1, messages
+    assert messages[0].startswith(f"FLEXGEN_CACHE_DIR: expected a directory flexgen can "
+                                  f"create and write, got {fresh_cache}")
+    assert "Fix: set FLEXGEN_CACHE_DIR to a writable directory" in messages[0]
+
+    spec = launch_spec(q, k, v, score_mod=softcap)
+    module = cache._MODULES[(spec.key, True)]
+    assert module.__file__ is None
+    assert inspect.getsource(module.KERNEL.fn) in cache.source(spec)
+    if fresh_cache.is_dir():
+        assert list(fresh_cache.iterdir()) == []
+
+
+@pytest.mark.skipif(not AOT_ENABLED, reason="FLEXGEN_TEST_AOT=0")
+def test_a_kernel_in_memory_only_compiles_for_sm90(fresh_cache, monkeypatch):
+    """Failure: no cache directory at all. Triton's compiler still gets the kernel's
+    source (from linecache, under a name that is no file) and builds it for sm_90."""
+    UNUSABLE["under_a_file"](fresh_cache, monkeypatch)
+    q, k, v = small_inputs()
+    with pytest.warns(UserWarning, match="FLEXGEN_CACHE_DIR"), aot.recording() as launches:
+        flex_attention(q, k, v, score_mod=lambda score, b, h, q_idx, kv_idx: score * 0.5)
+    (spec, args, constexprs), = launches
+    assert cache.load(spec, interpret=False).__file__ is None
+    assert aot.compile_launch(spec, args, constexprs).asm.get("cubin")
+
+
 # ---------------------------------------------------------------- the autotune store
 
 STORED = {"version": tuning.STORE_VERSION,
@@ -509,3 +603,14 @@ def test_an_untrusted_autotune_store_is_ignored_and_replaced(fresh_cache, monkey
         {"new"} | (set(STORED["entries"]) if trusted else set()))
     if how == "symlink":
         assert planted.read_text() == before, "the store was written through a symlink"
+
+
+def test_the_autotune_store_without_a_cache_directory(fresh_cache, monkeypatch):
+    """Failure: no usable cache directory. Winners are neither read nor stored, with the
+    cache's one warning and no error."""
+    UNUSABLE["under_a_file"](fresh_cache, monkeypatch)
+    monkeypatch.setattr(tuning, "_STORED", None)
+    with pytest.warns(UserWarning, match="FLEXGEN_CACHE_DIR"):
+        assert tuning._load_store() == {}
+        tuning._save_winner("new", {"config": {}})
+    assert fresh_cache.parent.is_file()

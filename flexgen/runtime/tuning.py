@@ -207,8 +207,10 @@ def _valid(config, sparse) -> bool:
 
 
 def _store_path():
+    """``autotune.json`` in the cache directory, or None when there is no usable directory."""
     from ..codegen.cache import _private_dir
-    return _private_dir() / STORE_NAME
+    folder = _private_dir()
+    return None if folder is None else folder / STORE_NAME
 
 
 def _load_store() -> dict:
@@ -218,7 +220,8 @@ def _load_store() -> dict:
     global _STORED
     if _STORED is None:
         from ..codegen.cache import _read_private
-        data = _read_private(_store_path())
+        path = _store_path()
+        data = None if path is None else _read_private(path)
         _STORED = {}
         if data is not None:
             try:
@@ -236,8 +239,11 @@ def _save_winner(key: str, entry: dict) -> None:
     with _LOCK:
         stored = _load_store()
         stored[key] = entry
+        path = _store_path()
+        if path is None:          # no usable cache directory: the cache has warned once
+            return
         try:
-            _write_atomically(_store_path(), json.dumps(
+            _write_atomically(path, json.dumps(
                 {"version": STORE_VERSION, "entries": stored}, indent=1, sort_keys=True))
         except OSError as e:     # a read-only cache still tunes, it just cannot remember
             print(f"flexgen autotune: could not store the winner ({e})", file=sys.stderr)
