@@ -207,21 +207,30 @@ def _valid(config, sparse) -> bool:
 
 
 def _store_path():
+    """``autotune.json`` in the cache directory, or None when there is no usable directory."""
     from ..codegen.cache import _private_dir
-    return _private_dir() / STORE_NAME
+    folder = _private_dir()
+    return None if folder is None else folder / STORE_NAME
 
 
 def _load_store() -> dict:
-    """The stored winners; a missing, unreadable or malformed file counts as empty."""
+    """The stored winners. A missing, malformed or untrusted file counts as empty: the
+    store is read by the cache's rule for its files (a regular file of the user's
+    that no one else can write; a symlink is not followed)."""
     global _STORED
     if _STORED is None:
-        try:
-            with open(_store_path(), encoding="utf-8") as f:
-                data = json.load(f)
-            entries = data["entries"] if data.get("version") == STORE_VERSION else {}
-            _STORED = {k: v for k, v in entries.items() if isinstance(k, str) and isinstance(v, dict)}
-        except (OSError, ValueError, TypeError, KeyError, AttributeError):
-            _STORED = {}
+        from ..codegen.cache import _read_private
+        path = _store_path()
+        data = None if path is None else _read_private(path)
+        _STORED = {}
+        if data is not None:
+            try:
+                parsed = json.loads(data)
+                entries = parsed["entries"] if parsed.get("version") == STORE_VERSION else {}
+                _STORED = {k: v for k, v in entries.items()
+                           if isinstance(k, str) and isinstance(v, dict)}
+            except (ValueError, TypeError, KeyError, AttributeError):
+                pass
     return _STORED
 
 
@@ -230,8 +239,11 @@ def _save_winner(key: str, entry: dict) -> None:
     with _LOCK:
         stored = _load_store()
         stored[key] = entry
+        path = _store_path()
+        if path is None:          # no usable cache directory: the cache has warned once
+            return
         try:
-            _write_atomically(_store_path(), json.dumps(
+            _write_atomically(path, json.dumps(
                 {"version": STORE_VERSION, "entries": stored}, indent=1, sort_keys=True))
         except OSError as e:     # a read-only cache still tunes, it just cannot remember
             print(f"flexgen autotune: could not store the winner ({e})", file=sys.stderr)
