@@ -226,5 +226,5 @@ def load(spec: KernelSpec, interpret: bool):
 
 
 def clear_memos() -> None:
-    """Forget the loaded modules (the next call loads them again, from the verified disk cache)."""
+    """Forget the loaded modules (the next call renders, checks and loads them again)."""
     _MODULES.clear()
