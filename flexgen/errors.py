@@ -38,7 +38,8 @@ def reported(error: FlexgenError) -> FlexgenError:
     parsing) raises ``reported(...)``.
     """
     if torch.compiler.is_compiling():
-        _raise_at_compile_time(type(error).__name__, str(error))
+        # (args[0]: the message; dynamo cannot call an exception's C-level __str__.)
+        _raise_at_compile_time(type(error).__name__, error.args[0] if error.args else "")
     return error
 
 

@@ -1,0 +1,194 @@
+"""flexgen under torch.compile and torch.export: one opaque op per call, no graph breaks.
+
+Every public entry point is traced with ``fullgraph=True`` (a graph break is an error)
+and compared with eager flexgen and the float64 oracle; a counting backend checks that
+repeated calls with new tensors of the same shapes do not recompile. Most tests compile
+with ``aot_eager`` (AOTAutograd, functionalization and the ops' fake implementations,
+without inductor's C++ build); one runs the default inductor backend end to end. On CPU
+the Triton interpreter runs inside the op, so dynamo never sees it.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import flexgen
+from flexgen import AuxRequest, create_block_mask, decode_attention, flex_attention
+from flexgen import mods as M
+from flexgen.reference import flex_attention_reference
+from conftest import make_qkv
+
+B, H, L, D = 1, 2, 48, 16
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def compiled(fn, backend="aot_eager"):
+    """``fn`` compiled with fullgraph=True, and the counter of frames it compiled."""
+    counter = CompileCounterWithBackend(backend)
+    return torch.compile(fn, fullgraph=True, backend=counter), counter
+
+
+def close(got, want, tol=2e-5):
+    torch.testing.assert_close(got.double(), want.double(), atol=tol, rtol=tol)
+
+
+def test_block_mask_built_inside_and_captured_bias_no_recompile():
+    """create_block_mask and a score_mod closing over a graph input, both inside the
+    compiled function: one frame, the same answer as eager, and new bias / query tensors
+    of the same shapes run the same graph."""
+    def fn(q, k, v, bias):
+        mask = create_block_mask(causal, None, None, L, L, device="cpu", BLOCK_SIZE=16)
+
+        def biased(score, b, h, q_idx, kv_idx):
+            return score + bias[h, q_idx, kv_idx]
+        return flex_attention(q, k, v, score_mod=biased, block_mask=mask)
+
+    cfn, counter = compiled(fn)
+    for step in range(3):
+        q, k, v = make_qkv(B=B, H=H, L=L, D=D)
+        bias = torch.randn(H, L, L)
+        got = cfn(q, k, v, bias)
+        close(got, fn(q, k, v, bias))
+        close(got, flex_attention_reference(
+            q, k, v, lambda s, b, h, qi, kv: s + bias[h, qi, kv], causal))
+    assert counter.frame_count == 1
+
+
+def test_block_mask_built_outside_gqa_lse_and_aux():
+    """A mask made outside (an input of the compiled function), GQA, return_lse and
+    return_aux with max_scores."""
+    mask = create_block_mask(M.sliding_window(20), None, None, L, L, device="cpu", BLOCK_SIZE=16)
+
+    def fn(q, k, v, mask):
+        out, lse = flex_attention(q, k, v, score_mod=M.tanh_softcap(5.0), block_mask=mask,
+                                  enable_gqa=True, return_lse=True)
+        out2, aux = flex_attention(q, k, v, block_mask=mask, enable_gqa=True,
+                                   return_aux=AuxRequest(lse=True, max_scores=True))
+        return out, lse, out2, aux.lse, aux.max_scores
+
+    cfn, counter = compiled(fn)
+    q = torch.randn(B, 4, L, D)
+    k, v = torch.randn(B, 2, L, D), torch.randn(B, 2, L, D)
+    for got, want in zip(cfn(q, k, v, mask), fn(q, k, v, mask)):
+        close(got, want)
+    q2 = torch.randn_like(q)
+    cfn(q2, k, v, mask)
+    assert counter.frame_count == 1
+
+
+def test_training_step_with_a_learned_bias_matches_eager():
+    """Forward + backward through a compiled module: gradients of q, k, v and of a learned
+    bias (an nn.Parameter read by a score_mod defined in forward) equal eager's."""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bias = torch.nn.Parameter(torch.randn(H, L) * 0.1)
+
+        def forward(self, q, k, v):
+            mask = create_block_mask(causal, None, None, L, L, device="cpu", BLOCK_SIZE=16)
+
+            def learned(score, b, h, q_idx, kv_idx):
+                return score + self.bias[h, kv_idx]
+            return flex_attention(q, k, v, score_mod=learned, block_mask=mask)
+
+    module = Block()
+    q, k, v = (t.requires_grad_() for t in make_qkv(B=B, H=H, L=L, D=D))
+    cmod = torch.compile(module, fullgraph=True, backend="aot_eager")
+    grads = []
+    for run in (cmod, module):
+        for t in (q, k, v, module.bias):
+            t.grad = None
+        (run(q, k, v) * torch.linspace(-1, 1, D)).sum().backward()
+        grads.append([t.grad.clone() for t in (q, k, v, module.bias)])
+    for got, want in zip(*grads):
+        close(got, want, 1e-4)
+
+
+def test_inductor_forward_and_backward():
+    """The default backend (inductor) around the op: forward and backward match eager."""
+    q, k, v = (t.requires_grad_() for t in make_qkv(B=B, H=H, L=L, D=D))
+    slopes = torch.linspace(0.1, 0.5, H)
+
+    def fn(q, k, v):
+        return flex_attention(q, k, v, score_mod=M.alibi(H), block_mask=None).square().sum()
+
+    cfn = torch.compile(fn, fullgraph=True)
+    got = torch.autograd.grad(cfn(q, k, v), (q, k, v))
+    want = torch.autograd.grad(fn(q, k, v), (q, k, v))
+    for g, w in zip(got, want):
+        close(g, w, 1e-4)
+    del slopes
+
+
+def test_decode_attention_with_device_lengths():
+    """decode_attention with lengths in a tensor (a decode loop's step): one frame for
+    every length the tensor takes."""
+    Hkv, Lk = 2, 70
+    k, v = torch.randn(2, Hkv, Lk, D), torch.randn(2, Hkv, Lk, D)
+
+    def step(q, lengths):
+        return decode_attention(q, k, v, score_mod=M.tanh_softcap(4.0), enable_gqa=True,
+                                kv_lengths=lengths, max_kv_len=Lk)
+
+    cstep, counter = compiled(step)
+    for n in ((10, 70), (11, 33), (70, 1)):
+        q = torch.randn(2, 4, 1, D)
+        lengths = torch.tensor(n, dtype=torch.int32)
+        close(cstep(q, lengths), step(q, lengths))
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_export_runs_and_matches(strict):
+    """torch.export (strict and non-strict): a program with flexgen's ops in it that runs
+    on new inputs and matches eager."""
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v, bias):
+            mask = create_block_mask(causal, None, None, L, L, device="cpu", BLOCK_SIZE=16)
+            return flex_attention(q, k, v, score_mod=lambda s, b, h, qi, kv: s + bias[h, kv],
+                                  block_mask=mask)
+
+    q, k, v = make_qkv(B=B, H=H, L=L, D=D)
+    bias = torch.randn(H, L)
+    program = torch.export.export(Attend(), (q, k, v, bias), strict=strict)
+    targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    assert {"flexgen.block_mask.default", "flexgen.attention.default"} <= targets
+    q2, bias2 = torch.randn_like(q), torch.randn_like(bias)
+    close(program.module()(q2, k, v, bias2), Attend()(q2, k, v, bias2))
+
+
+def test_errors_surface_at_compile_time():
+    """A mod flexgen cannot trace fails while compiling, with flexgen's message."""
+    def fn(q):
+        def branchy(score, b, h, q_idx, kv_idx):
+            return score if q_idx > kv_idx else -score
+        return flex_attention(q, q, q, score_mod=branchy)
+
+    with pytest.raises(Exception, match="torch.where"):
+        torch.compile(fn, fullgraph=True, backend="aot_eager")(torch.randn(B, H, L, D))
+
+
+def test_ops_are_registered_with_fake_implementations():
+    """Each op passes torch.library's own checks (schema, fake impl, autograd registration)
+    on a representative call."""
+    q, k, v = make_qkv(B=B, H=H, L=32, D=D)
+    bias = torch.randn(H, 32)
+    traced = flexgen.frontend.trace.trace(lambda s, b, h, qi, kv: s + bias[h, kv], "score_mod")
+    torch.library.opcheck(torch.ops.flexgen.attention.default,
+                          (q, k, v, [bias], [], [], traced.graph, "", [], [], 0.25, False, "", False),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.flexgen.block_mask.default,
+                          ([], flexgen.frontend.trace.trace(causal, "mask_mod").graph, 1, 1, 32, 32,
+                           16, 16, torch.device("cpu")),
+                          test_utils=("test_schema", "test_faketensor"))
