@@ -33,6 +33,7 @@ from ..errors import FlexgenError
 from ..codegen.render import render
 from ..codegen.spec import KernelSpec
 
+MAX_MODULES = 1024
 _MODULES: dict = {}          # (key, interpret) -> loaded module
 _LOCK = threading.Lock()
 _warned_memory_only = False
@@ -221,6 +222,11 @@ def load(spec: KernelSpec, interpret: bool):
             text = source(spec)
             name = f"flexgen_kernels.{spec.kernel_name}{'_interp' if interpret else ''}"
             module = _execute(name, text, _disk_copy(spec.kernel_name, text), interpret)
+            if len(_MODULES) >= MAX_MODULES:
+                # A process making mods per call: forget the oldest half (a plan that still
+                # holds one of them keeps it alive; a later load renders it again).
+                for old in list(_MODULES)[:MAX_MODULES // 2]:
+                    _MODULES.pop(old)
             _MODULES[cache_key] = module
     return module
 

@@ -151,6 +151,8 @@ def lower_grad(traced: TracedMod | None, grad_slots: tuple) -> LoweredGrad:
                    _score_grad(dkdv, score_grad_expr)),
         score_grad_const=score_grad_expr is None or _const(score_grad_expr),
         scatters=tuple(scatters), grad_buffers=grad_buffers)
+    if len(_GRADS) >= 4096:
+        _GRADS.clear()
     _GRADS[key] = hit
     return hit
 

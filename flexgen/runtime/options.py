@@ -75,6 +75,8 @@ class KernelOptions:
                 name, value = item.split("=", 1)
                 kind = OPTIONS[name][0]
                 values[name] = (value == "True") if kind is bool else kind(value)
+            if len(_FROM_TEXT) >= 1024:
+                _FROM_TEXT.clear()
             found = _FROM_TEXT[text] = cls(**values)
         return found
 
