@@ -578,3 +578,45 @@ def test_no_stale_trace_after_what_the_mod_reads_changes(case):
     torch.testing.assert_close(again.double(), want, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(first, again)
     _Config.scale = 2.0
+
+
+def test_a_mask_mod_assigned_to_a_block_mask_is_the_one_that_runs():
+    """torch's decode pattern: a mask built once, then given another mask_mod (an offset
+    one, say): the kernels apply the mod the mask holds now, not the one it was built with."""
+    q, k, v = make_qkv(B=1, H=2, L=64)
+    mask = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx >= 0, None, None, 64, 64,
+                             device="cpu", BLOCK_SIZE=16)
+
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx <= 8) & (kv_idx - q_idx <= 8)
+
+    before = flex_attention(q, k, v, block_mask=mask)
+    mask.mask_mod = window                                   # every block is partial: it decides
+    mask.full_kv_num_blocks = torch.zeros_like(mask.full_kv_num_blocks)
+    mask.kv_num_blocks = torch.full_like(mask.kv_num_blocks, 4)
+    after = flex_attention(q, k, v, block_mask=mask)
+    want = flex_attention_reference(q, k, v, mask_mod=window)
+    torch.testing.assert_close(after.double(), want, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(before, after)
+
+
+def test_an_operator_is_lowered_only_when_it_is_the_very_op():
+    """A user's own torch.library op named like a torch function (mylib::exp) is not
+    torch's exp: flexgen refuses it by name and namespace instead of compiling exp."""
+    lib = torch.library.Library("flexgen_test_ops", "FRAGMENT")
+    lib.define("exp(Tensor x) -> Tensor")
+    lib.impl("exp", lambda x: x * 2, "CompositeExplicitAutograd")
+
+    def looks_like_exp(score, b, h, q_idx, kv_idx):
+        return torch.ops.flexgen_test_ops.exp(score)
+
+    msg = assert_trace_error(looks_like_exp, "score_mod", "flexgen_test_ops", "not supported")
+    assert "exp" in msg
+
+
+def test_kernel_options_of_the_wrong_kind():
+    q, k, v = make_qkv(B=1, H=1, L=16)
+    for bad, words in ((["BLOCK_M", 64], "dict"), ({"BACKEND": "INVALID"}, "BACKEND"),
+                       ({"BLOCK_M": "64"}, "BLOCK_M"), ({"USE_TMA": 2}, "USE_TMA")):
+        with pytest.raises(InputError, match=words):
+            flex_attention(q, k, v, kernel_options=bad)
