@@ -341,3 +341,72 @@ def test_larger_gradients_on_gpu(dtype, D):
     want = torch.autograd.grad((ref * d_out.double()).sum(), leaves)
     for name, a, b in zip(["dq", "dk", "dv", "table"], got, want):
         _check(f"D={D} {dtype} {name}", a.cpu(), b.cpu(), 2e-2)
+
+
+def test_deterministic_mode_sums_buffer_gradients_in_fixed_point(monkeypatch):
+    """Under torch.use_deterministic_algorithms(True) a learned buffer's gradient is summed
+    in int64 fixed point (order-independent, so reproducible bit for bit on a GPU, where
+    the atomics race); it matches the float64 oracle like the fast path does, and the
+    fast path stays the default."""
+    from flexgen.runtime import launch
+    B, H, L, D = 1, 2, 72, 32
+    q, k, v = (torch.randn(B, H, L, D, requires_grad=True) for _ in range(3))
+    table = torch.randn(H, 2 * L, requires_grad=True)
+
+    def relative(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + L]
+
+    specs = []
+    run = launch.run
+    monkeypatch.setattr(launch, "run", lambda spec, *a, **k: specs.append(spec) or run(spec, *a, **k))
+    grads = {}
+    for deterministic in (False, True):
+        with _deterministic(deterministic):
+            out = flex_attention(q, k, v, score_mod=relative)
+            grads[deterministic] = torch.autograd.grad(out.square().sum(), (q, table))
+    assert [s.deterministic for s in specs if getattr(s, "part", None) == "dq"] == [False, True]
+    q64, k64, v64, t64 = (t.detach().double().requires_grad_() for t in (q, k, v, table))
+    ref = flex_attention_reference(q64, k64, v64, lambda s, b, h, qi, kv: s + t64[h, qi - kv + L])
+    want = torch.autograd.grad(ref.square().sum(), (q64, t64))
+    for got in grads.values():
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.double(), w, atol=1e-4, rtol=1e-4)
+
+
+class _deterministic:
+    def __init__(self, on):
+        self.on = on
+
+    def __enter__(self):
+        self.before = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(self.on)
+
+    def __exit__(self, *exc):
+        torch.use_deterministic_algorithms(self.before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_deterministic_mode_is_bitwise_reproducible_on_gpu(deterministic):
+    """Run to run on the GPU, under use_deterministic_algorithms: every gradient, the learned
+    tables' included, is bitwise identical. (Without it, the tables' float atomics may
+    differ in their last bits; the test only reports how often.)"""
+    g = _gen(12)
+    B, Hq, Hkv, L, D = 2, 8, 2, 2048, 128
+    q, k, v = (torch.randn(B, h, L, D, generator=g).cuda().to(torch.bfloat16).requires_grad_()
+               for h in (Hq, Hkv, Hkv))
+    table = (torch.randn(Hq, 2 * L - 1, generator=g) * 0.5).cuda().requires_grad_()
+    slopes = torch.rand(Hq, generator=g).cuda().requires_grad_()
+    score_mod = M.compose_score_mods(M.relative_position_bias(table, L), M.alibi(slopes))
+    mask = create_block_mask(M.causal_mask, None, None, L, L, device="cuda")
+    d_out = torch.randn(B, Hq, L, D, generator=g).cuda().to(torch.bfloat16)
+    runs = []
+    with _deterministic(deterministic):
+        for _ in range(3):
+            out = flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, enable_gqa=True)
+            runs.append(torch.autograd.grad((out * d_out).sum(), (q, k, v, table, slopes)))
+    same = [all(torch.equal(a, b) for a, b in zip(run, runs[0])) for run in runs[1:]]
+    if deterministic:
+        assert all(same), "a deterministic backward differed between runs"
+    else:
+        print(f"fast path: {sum(same)}/{len(same)} repeated runs bitwise equal")

@@ -32,6 +32,7 @@ call runs the pointer kernels.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +51,17 @@ class BackwardSpec(KernelSpec):
     score_grad: str | None = None       # code of d mod / d score (None: the mod is score + ...)
     score_grad_const: bool = True       # that derivative is a finite constant
     scatters: tuple = ()                # Scatter per buffer load that gets a gradient (dq only)
-    grad_buffers: tuple = ()            # BufferSig per float32 gradient buffer (dq only)
+    grad_buffers: tuple = ()            # BufferSig per gradient buffer (dq only)
+    deterministic: bool = False         # gradient buffers in int64 fixed point (see FIXED_POINT)
+
+
+# Under torch.use_deterministic_algorithms(True) the gradients of captured tensors, which
+# many programs add into with atomics, are summed in int64 fixed point with 32 fractional
+# bits: every contribution is rounded to 2**-32 (2.3e-10) and the sum is exact and
+# independent of the order of the atomics, so the backward is bitwise reproducible. A
+# gradient must stay below 2**31 in magnitude. dQ, dK and dV never use atomics (each
+# program owns its tile and loops in a fixed order): they are deterministic either way.
+FIXED_POINT = 2.0 ** 32
 
 
 @dataclass(frozen=True)
@@ -69,9 +80,13 @@ def _tiles(t: dict) -> dict:
 
 
 def backward_specs(score_traced, mask, grad_slots: tuple, *, qk_head, v_head, dtype, has_block_mask,
-                   dot_precision, use_tma, dq_tiles, dkdv_tiles, tune_blocks) -> BackwardPlan:
+                   dot_precision, use_tma, dq_tiles, dkdv_tiles, tune_blocks,
+                   deterministic=False) -> BackwardPlan:
     """The dQ and dK/dV specs of a call (raises GradientError naming the mod)."""
     grads = lower_grad(score_traced, grad_slots)
+    deterministic = deterministic and bool(grads.scatters)
+    grad_buffers = tuple(dataclasses.replace(g, dtype="int64") for g in grads.grad_buffers) \
+        if deterministic else grads.grad_buffers
     mask_buffers = () if mask is None else mask.buffers
     score_buffers = () if score_traced is None else lower(score_traced).buffers
 
@@ -82,7 +97,8 @@ def backward_specs(score_traced, mask, grad_slots: tuple, *, qk_head, v_head, dt
                       score_grad_const=grads.score_grad_const, use_tma=tma)
         dq = BackwardSpec("backward", part="dq", score=grads.dq.snippet,
                           score_grad=grads.dq.score_grad, scatters=grads.scatters,
-                          grad_buffers=grads.grad_buffers, **_tiles(dq_tiles), **common)
+                          grad_buffers=grad_buffers, deterministic=deterministic,
+                          **_tiles(dq_tiles), **common)
         dkdv = BackwardSpec("backward", part="dkdv", score=grads.dkdv.snippet,
                             score_grad=grads.dkdv.score_grad, **_tiles(dkdv_tiles), **common)
         return dq, dkdv
@@ -140,7 +156,8 @@ def run_backward(bw: BackwardPlan, plan, query, key, value, out, lse, grad_out, 
         dk = torch.empty(key.shape, dtype=key.dtype, device=device)
         dv = torch.empty(value.shape, dtype=value.dtype, device=device)
     poison(delta, dq, dk, dv)
-    grads = [torch.zeros(score_buffers[i].shape, dtype=torch.float32, device=device)
+    grad_dtype = torch.int64 if bw.dq.deterministic else torch.float32
+    grads = [torch.zeros(score_buffers[i].shape, dtype=grad_dtype, device=device)
              for i in bw.grad_slots]
     kv_sparse = q_sparse = None
     if plan.mask_info is not None:
@@ -159,6 +176,8 @@ def run_backward(bw: BackwardPlan, plan, query, key, value, out, lse, grad_out, 
             dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
     buffer_grads = [None] * len(score_buffers)
     for slot, g in zip(bw.grad_slots, grads):
+        if bw.dq.deterministic:
+            g = g.to(torch.float64) / FIXED_POINT
         buffer_grads[slot] = g.to(score_buffers[slot].dtype)
     return dq, dk, dv, buffer_grads
 

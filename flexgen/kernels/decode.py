@@ -59,13 +59,17 @@ _VISITS: dict = {}
 
 
 def _listed(kv_lists, nkv: int) -> torch.Tensor:
-    """bool [B', H', NQ, NKV]: whether a block is in the partial or the full list of its row."""
+    """bool [B', H', NQ, NKV]: whether a block is in the partial or the full list of its row.
+
+    Entries past a row's count go to a spare column, so every write a position gets writes
+    the same value: one plain scatter, the same under torch's deterministic mode.
+    """
     num, idx, full_num, full_idx = kv_lists
     arange = torch.arange(nkv, device=idx.device)
-    listed = torch.zeros(idx.shape, dtype=torch.int32, device=idx.device)
+    listed = torch.zeros((*idx.shape[:3], nkv + 1), dtype=torch.bool, device=idx.device)
     for n, i in ((num, idx), (full_num, full_idx)):
-        listed.scatter_add_(-1, i.long(), (arange < n[..., None]).to(torch.int32))
-    return listed != 0
+        listed.scatter_(-1, torch.where(arange < n[..., None], i.long(), nkv), True)
+    return listed[..., :nkv]
 
 
 def visit_lists(kv_lists, group: int):

@@ -302,7 +302,8 @@ def _plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_
 def plan_backward(plan: AttentionPlan, query, key, value, grad_slots: tuple):
     """The dQ and dK/dV kernels of a planned call (``flexgen.kernels.backward``), memoized
     on the plan; raises GradientError naming the mod before anything runs."""
-    hit = plan.backward.get(grad_slots)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    hit = plan.backward.get((grad_slots, deterministic))
     if hit is None:
         from ..kernels.backward import backward_specs
         info, opts = plan.mask_info, plan.options
@@ -312,11 +313,11 @@ def plan_backward(plan: AttentionPlan, query, key, value, grad_slots: tuple):
                           sparse_q, sparse_kv)
                     for kernel, part in (("backward.dq", "dq"), ("backward.dkdv", "dkdv")))
         use_tma = plan.use_tma
-        hit = plan.backward[grad_slots] = backward_specs(
+        hit = plan.backward[(grad_slots, deterministic)] = backward_specs(
             plan.score_traced, plan.mask, grad_slots, qk_head=plan.D, v_head=plan.Dv,
             dtype=DTYPES[plan.dtype], has_block_mask=info is not None,
             dot_precision=dot_precision(query), use_tma=use_tma, dq_tiles=dq, dkdv_tiles=dkdv,
-            tune_blocks=None if opts.sets_tiles else (sparse_q, sparse_kv))
+            tune_blocks=None if opts.sets_tiles else (sparse_q, sparse_kv), deterministic=deterministic)
     return hit
 
 
