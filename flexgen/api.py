@@ -301,16 +301,16 @@ def decode_kernel_source(query, key, value, score_mod=None, block_mask=None, sca
                          kernel_options=None, **unused) -> str:
     """The generated module source ``decode_attention`` would run for these arguments (nothing
     is launched; the lengths do not change the kernel)."""
-    from .runtime.ops import _plan_decode
+    from .runtime.plan import plan_decode_call
     _tensors(query=query, key=key, value=value)
     score_mod, score_buffers, mask_text, mask_buffers, lists, block_size, lengths = _mods(
         score_mod, block_mask)
     if mask_mod is not None:
         traced = trace_cached(mask_mod, "mask_mod")
         mask_text, mask_buffers = traced.graph, traced.buffers
-    plan = _plan_decode(query, key, value, score_buffers, mask_buffers, lists, page_table, score_mod,
-                        mask_text, block_size, lengths, bool(enable_gqa),
-                        parse_options(kernel_options).text)
+    plan = plan_decode_call(query, key, value, score_mod, score_buffers, mask_text, mask_buffers, lists,
+                            block_size, lengths, page_table, bool(enable_gqa),
+                            parse_options(kernel_options).text)
     return source(plan.spec)
 
 

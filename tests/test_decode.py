@@ -25,6 +25,7 @@ from flexgen.api import decode_attention, decode_kernel_source  # noqa: E402
 from flexgen.errors import FlexgenError, InputError  # noqa: E402
 from flexgen.mods import alibi, causal_mask, sliding_window, tanh_softcap  # noqa: E402
 from flexgen.reference import flex_attention_reference  # noqa: E402
+from flexgen.runtime import plan as P  # noqa: E402
 from flexgen.runtime.options import parse_options  # noqa: E402
 from conftest import assert_module_launches_compile  # noqa: E402
 
@@ -147,10 +148,10 @@ def test_one_program_per_sm_runs_the_deeper_pipeline(monkeypatch):
     assert [decode._alone(gpu, 8, s) for s in (16, 17)] == [True, False]   # 8 x 16 = 128 <= 132
     assert not decode._alone(cpu, 1, 1)
     none, four = parse_options(None), parse_options({"num_stages": 4})
-    assert decode._deep_stages(gpu, 128, 2, none) == decode.DEEP_STAGES
-    assert decode._deep_stages(gpu, 256, 2, none) == 2
-    assert decode._deep_stages(gpu, 128, 2, four) == 4
-    assert decode._deep_stages(cpu, 64, 1, none) == 1
+    assert decode.deep_stages(gpu, 128, 2, none) == decode.DEEP_STAGES
+    assert decode.deep_stages(gpu, 256, 2, none) == 2
+    assert decode.deep_stages(gpu, 128, 2, four) == 4
+    assert decode.deep_stages(cpu, 64, 1, none) == 1
 
 
 def test_flex_attention_convention_with_block_mask():
@@ -237,8 +238,6 @@ def test_flex_attention_picks_the_decode_kernel_by_shape_alone():
     """At most 16 queries per sequence take the decode kernel, with or without gradients
     (the backward works from its LSE like the forward kernel's), so the answer never depends
     on requires_grad; BACKEND decides either way."""
-    from flexgen.kernels.decode import DecodePlan
-    from flexgen.runtime import plan as P
 
     def kernel(q, k, **options):
         return P.plan_attention(q, k, k, "", (), "", (), (), (), (), 0.2, False,
@@ -248,7 +247,7 @@ def test_flex_attention_picks_the_decode_kernel_by_shape_alone():
     assert kernel(q16, k, BACKEND="TRITON") == "forward"
     assert kernel(q17, k, BACKEND="TRITON_DECODE") == "decode"
     assert isinstance(P.plan_attention(q16, k, k, "", (), "", (), (), (), (), 0.2, False, "").decode,
-                      DecodePlan)
+                      P.DecodePlan)
     q, kk, v = inputs(1, 4, 2, 3, 90, seed=4)
     mask = create_block_mask(causal_mask, None, None, 3, 90, device="cpu", BLOCK_SIZE=32)
     plain = flexgen.flex_attention(q, kk, v, score_mod=tanh_softcap(3.0), block_mask=mask, enable_gqa=True)
@@ -335,6 +334,7 @@ def test_swapped_tensors_are_the_split_kernels_leading_arguments(paged, splits, 
     the split kernel's first arguments, in its module's order, in every layout."""
     from flexgen.codegen import cache
     from flexgen.kernels import decode
+    from flexgen.runtime.plan import plan_decode
     B, Hq, Hkv, L, P = 2, 4, 2, 64, 16
     q, k, v = inputs(B, Hq, Hkv, 1, L, seed=3)
     lengths = torch.tensor([40, 64], dtype=torch.int32)
@@ -343,7 +343,7 @@ def test_swapped_tensors_are_the_split_kernels_leading_arguments(paged, splits, 
         k = k.view(B, Hkv, L // P, P, -1).permute(0, 2, 3, 1, 4).reshape(-1, P, Hkv, k.shape[-1])
         v = v.view(B, Hkv, L // P, P, -1).permute(0, 2, 3, 1, 4).reshape(-1, P, Hkv, v.shape[-1])
         table = torch.randperm(B * L // P, generator=gen(4)).view(B, -1).to(torch.int32)
-    plan = decode.plan_decode(q, k, v, None, None, None, True, parse_options({"NUM_SPLITS": splits}),
+    plan = plan_decode(q, k, v, None, None, None, True, parse_options({"NUM_SPLITS": splits}),
                               paged=paged, page_table_shape=None if table is None else table.shape)
     out, lse = torch.empty(B, Hq, 1, 32), torch.empty(B, Hq, 1)
     o_part, l_part = torch.empty(B, Hq, 1, splits, 32), torch.empty(B, Hq, 1, splits)
@@ -384,7 +384,7 @@ def test_a_repeated_call_replays_its_launches(monkeypatch):
         return launched[-1]
 
     monkeypatch.setattr(launch, "run", fake_run)
-    monkeypatch.setattr(decode, "_PLANS", {})         # no fake replay outlives the test
+    monkeypatch.setattr(P, "_DECODE", {})             # no fake replay outlives the test
     B, Hq, Hkv, L = 2, 4, 2, 200
     q, k, v = inputs(B, Hq, Hkv, 1, L, seed=5)
     lengths = torch.tensor([150, 200], dtype=torch.int32)
@@ -434,11 +434,11 @@ def test_plan_memo_is_bounded(monkeypatch):
     from flexgen.kernels import decode
     from flexgen.runtime import launch
     monkeypatch.setattr(launch, "run", lambda *args, **kwargs: None)
-    monkeypatch.setattr(decode, "_MEMO_MAX", 4)
+    monkeypatch.setattr(P, "_MEMO_MAX", 4)
     for n in range(1, 11):
         q, k, v = inputs(1, 2, 2, n, 40, seed=n)
         decode_attention(q, k, v)
-        assert len(decode._PLANS) <= 4
+        assert len(P._DECODE) <= 4
 
 
 def test_kernel_source_names_the_mods():

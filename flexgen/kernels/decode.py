@@ -31,15 +31,11 @@ block mask applies the mask element-wise to every key.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ..codegen.spec import dot_precision, kernel_spec, mod_fields
-from ..errors import expected
-from ..frontend.lowering import lower
 from ..runtime import launch
-from ..runtime.checks import DTYPES, check_heads, check_tensor
 from ..runtime.poison import poison
 
 CPU_SPLITS = 2                   # splits under the interpreter: small, but the merge always runs
@@ -50,7 +46,7 @@ MAX_REPLAYS = 16                 # per plan: replay_key -> [split launch, merge 
 _MEMO_MAX = 512
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
@@ -156,11 +152,11 @@ def choose_splits(device: torch.device, programs: int, kv_tiles: int) -> int:
     return splits
 
 
-def _geometry(device, G, Lq, D, sparse_q):
+def decode_geometry(device, G, Lq, D, sparse_q):
     """(q_tile, block_m, block_n, num_warps, num_stages) for a query tile of G heads."""
-    gp = _next_pow2(G)
+    gp = next_pow2(G)
     if Lq <= 16:
-        q_tile = _next_pow2(Lq)
+        q_tile = next_pow2(Lq)
     else:
         q_tile = max(1, (64 if device.type == "cuda" and D > 128 else 128) // gp)
     q_tile = min(q_tile, max(1, 128 // gp))
@@ -178,7 +174,7 @@ def _geometry(device, G, Lq, D, sparse_q):
     return q_tile, block_m, block_n, warps, 2
 
 
-def _deep_stages(device, head_dim: int, stages: int, options) -> int:
+def deep_stages(device, head_dim: int, stages: int, options) -> int:
     """Pipeline stages for a decode kernel whose programs each have an SM to themselves.
 
     Nothing else hides such a program's load latency: a deeper pipeline (H100, B=1, 8k
@@ -191,124 +187,9 @@ def _deep_stages(device, head_dim: int, stages: int, options) -> int:
 
 
 def _alone(device, programs: int, num_splits: int) -> bool:
-    """Whether every program of a launch gets an SM to itself (then: ``_deep_stages``)."""
+    """Whether every program of a launch gets an SM to itself (then: ``deep_stages``)."""
     return device.type == "cuda" and programs * num_splits <= _sm_count(device)
 
-
-
-# --- the plan -----------------------------------------------------------------------------
-@dataclass
-class DecodePlan:
-    """The static half of a decode call: its kernels and geometry (``plan_decode``)."""
-    spec: object                 # the split kernel
-    deep_spec: object            # the same with deeper pipelining, for programs alone on an SM
-    merge_spec: object           # the kernel combining the splits
-    q_tile: int
-    page_size: int               # 1 for contiguous keys
-    capacity: int                # keys per sequence the key tensor / page table can hold
-    programs: int                # (batch, kv head, query tile) work items
-    block_n: int
-    num_splits: int | None       # the caller's NUM_SPLITS, else None (chosen per call)
-    group: int                   # query heads per kv head
-    has_block_mask: bool
-    sparse_q: int
-    sparse_kv: int
-    replays: dict = field(default_factory=dict, repr=False)
-
-
-_PLANS: dict = {}
-
-
-def plan_decode(query, key, value, score_traced, mask_traced, info, enable_gqa, options, *,
-                paged: bool, page_table_shape=None) -> DecodePlan:
-    """Check the static inputs of a decode call and decide its kernels.
-
-    ``info`` is the block mask (``flexgen.runtime.plan.Mask``) or None; ``mask_traced`` is
-    its mask_mod, or a mask_mod applied element-wise to every key when ``info`` is None.
-    Paged calls give K/V caches ``[pages, page_size, Hkv, D]`` and the page table's shape.
-    """
-    kv_layout = "[pages, page_size, Hkv, D] (a paged cache)" if paged else "[B, Hkv, L, D]"
-    check_tensor("query", query, "[B, H, L, D]")
-    check_tensor("key", key, kv_layout)
-    check_tensor("value", value, kv_layout)
-    if not (query.dtype == key.dtype == value.dtype):
-        raise expected("key/value", f"the query's dtype {query.dtype}",
-                       f"key {key.dtype}, value {value.dtype}", "convert all three to one dtype")
-    device = query.device
-    if not (device == key.device == value.device):
-        raise expected("key/value", f"the query's device {device}",
-                       f"key on {key.device}, value on {value.device}", "move all three to one device")
-    B, Hq, Lq, D = query.shape
-    Dv = value.shape[-1]
-    if paged:
-        _, page_size, Hkv, Dk = key.shape
-        if value.shape[:3] != key.shape[:3]:
-            raise expected("value", f"a cache shaped like the key's {list(key.shape[:3])} + [Dv]",
-                           list(value.shape), "pass the value cache of the same PagedKVCache")
-        capacity = page_table_shape[1] * page_size
-    else:
-        if key.shape[0] not in (1, B) or value.shape[0] != key.shape[0]:
-            raise expected("key/value batch", f"batch {B} like query (or 1)",
-                           f"{key.shape[0]} and {value.shape[0]}", "give query, key and value one batch size")
-        if key.shape[1:3] != value.shape[1:3]:
-            raise expected("value", f"the key's heads and length {tuple(key.shape[1:3])}",
-                           tuple(value.shape[1:3]), "key and value must come from the same positions")
-        _, Hkv, capacity, Dk = key.shape
-        page_size = 1
-    if Dk != D:
-        raise expected("key.shape[-1]", f"the query's head dim {D}", Dk,
-                       "query and key need the same head dim (value's may differ)")
-    if B == 0 or Hq == 0 or Hkv == 0:
-        raise expected("query/key", "at least one batch row and one head",
-                       f"query {list(query.shape)}, key {list(key.shape)}", "skip the call for empty inputs")
-    check_heads(Hq, Hkv, enable_gqa)
-    memo = (tuple(query.shape), query.dtype, device, tuple(key.shape), tuple(value.shape), paged,
-            None if page_table_shape is None else tuple(page_table_shape),
-            None if score_traced is None else score_traced.graph,
-            None if mask_traced is None else mask_traced.graph, info, options,
-            dot_precision(query))
-    hit = _PLANS.get(memo)
-    if hit is not None:
-        return hit
-    G = Hq // Hkv
-    score = None if score_traced is None else lower(score_traced)
-    mask = None if mask_traced is None else lower(mask_traced)
-    sparse_q, sparse_kv = info.block_size if info is not None else (None, None)
-    q_tile, block_m, block_n, warps, stages = _geometry(device, G, Lq, max(D, Dv), sparse_q)
-    if options.BLOCK_M is not None:
-        # The query rows of a program: G heads' q_tile queries each.
-        q_tile = max(1, min(q_tile, options.BLOCK_M // _next_pow2(G)))
-        block_m = max(16, _next_pow2(G) * q_tile)
-    block_n = options.BLOCK_N or block_n
-    if sparse_kv is not None:
-        block_n = min(block_n, sparse_kv)
-    if block_n < 16 or block_n & (block_n - 1) or (sparse_kv is not None and sparse_kv % block_n):
-        raise expected("kernel_options['BLOCK_N']", "a power of two >= 16"
-                       + (f" dividing the sparse block {sparse_kv}" if sparse_kv else ""), block_n,
-                       "use 64 (or 32 / 128)")
-    warps = options.num_warps or warps
-    stages = options.num_stages or stages
-
-    def decode_spec(num_stages):
-        return kernel_spec(
-            "decode", **mod_fields(score, mask), qk_head=D, v_head=Dv, dtype=DTYPES[query.dtype],
-            has_block_mask=info is not None, block_m=block_m, block_n=block_n,
-            num_warps=warps, num_stages=num_stages, dot_precision=dot_precision(query))
-
-    spec = decode_spec(stages)
-    deep = _deep_stages(device, max(D, Dv), stages, options)
-    plan = DecodePlan(
-        spec=spec, deep_spec=spec if deep == stages else decode_spec(deep),
-        merge_spec=kernel_spec("decode_merge", v_head=Dv, dtype=DTYPES[query.dtype],
-                               block_m=64 if device.type != "cuda" else 16, num_warps=4),
-        q_tile=q_tile, page_size=page_size, capacity=capacity,
-        programs=B * Hkv * -(-Lq // q_tile), block_n=block_n, num_splits=options.NUM_SPLITS,
-        group=G, has_block_mask=info is not None, sparse_q=sparse_q or 16,
-        sparse_kv=sparse_kv or block_n)
-    if len(_PLANS) >= _MEMO_MAX:
-        _PLANS.clear()
-    _PLANS[memo] = plan
-    return plan
 
 
 # --- running -------------------------------------------------------------------------------
@@ -349,7 +230,7 @@ def _swapped(plan: _Launch, query, key, value, out, lse, o_part, l_part) -> tupl
             kv, kv if qs is None else qs, ql, query if plan.page_table is None else plan.page_table)
 
 
-def run_decode(plan: DecodePlan, query, key, value, score_buffers, mask_buffers, kv_lists,
+def run_decode(plan, query, key, value, score_buffers, mask_buffers, kv_lists,
                kv_lengths, q_offsets, q_lengths, page_table, scale: float, max_kv_len: int,
                out_strides=None):
     """Launch a planned decode call: (out [B, Hq, Lq, Dv], lse [B, Hq, Lq]).
@@ -415,7 +296,6 @@ def run_decode(plan: DecodePlan, query, key, value, score_buffers, mask_buffers,
 
 
 def clear_memos() -> None:
-    _PLANS.clear()
     _VISITS.clear()
     _SPLITS.clear()
     _CONSTANTS.clear()

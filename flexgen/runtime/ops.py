@@ -30,10 +30,10 @@ import torch
 from torch import Tensor
 
 from ..kernels import backward as _backward
-from ..kernels.decode import constant, plan_decode, run_decode
+from ..kernels.decode import constant, run_decode
 from ..kernels.forward import run_forward
 from ..masks import builder
-from .plan import out_strides, plan_attention, plan_backward
+from .plan import out_strides, plan_attention, plan_backward, plan_decode_call
 
 _PLAIN = (Tensor, torch.nn.Parameter)
 
@@ -209,23 +209,11 @@ def _decode(query, key, value, score_buffers, mask_buffers, block_lists, kv_leng
             options, max_kv_len):
     device = query.device
     score_buffers, mask_buffers = _on_device(score_buffers, device), _on_device(mask_buffers, device)
-    plan = _plan_decode(query, key, value, score_buffers, mask_buffers, block_lists, page_table,
-                        score_mod, mask_mod, block_size, mask_lengths, enable_gqa, options)
+    plan = plan_decode_call(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers,
+                            block_lists, block_size, mask_lengths, page_table, enable_gqa, options)
     return run_decode(plan, query, key, value, score_buffers, mask_buffers,
                       block_lists[:4] if block_lists else None, kv_lengths, q_offsets, q_lengths,
                       page_table, scale, max_kv_len)
-
-
-def _plan_decode(query, key, value, score_buffers, mask_buffers, block_lists, page_table, score_mod,
-                 mask_mod, block_size, mask_lengths, enable_gqa, options):
-    from ..frontend.trace import TracedMod
-    from .options import KernelOptions
-    from .plan import _mask_info
-    score = TracedMod.from_graph(score_mod, score_buffers) if score_mod else None
-    mask = TracedMod.from_graph(mask_mod, mask_buffers) if mask_mod else None
-    return plan_decode(query, key, value, score, mask, _mask_info(block_lists, block_size, mask_lengths),
-                       enable_gqa, KernelOptions.from_text(options), paged=page_table is not None,
-                       page_table_shape=None if page_table is None else tuple(page_table.shape))
 
 
 @decode.register_fake
@@ -233,8 +221,8 @@ def _decode_fake(query, key, value, score_buffers, mask_buffers, block_lists, kv
                  q_lengths, page_table, score_mod, mask_mod, block_size, mask_lengths, scale,
                  enable_gqa, options, max_kv_len):
     if all(isinstance(n, int) for t in (query, key, value) for n in t.shape):
-        _plan_decode(query, key, value, score_buffers, mask_buffers, block_lists, page_table,
-                     score_mod, mask_mod, block_size, mask_lengths, enable_gqa, options)
+        plan_decode_call(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers,
+                         block_lists, block_size, mask_lengths, page_table, enable_gqa, options)
     B, Hq, Lq = query.shape[:3]
     return (query.new_empty((B, Hq, Lq, value.shape[-1])),
             query.new_empty((B, Hq, Lq), dtype=torch.float32))

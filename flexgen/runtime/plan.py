@@ -9,7 +9,8 @@ the same code runs on real tensors (the ops' implementations) and on FakeTensors
   forward kernel, or the split-K decode kernel for a few queries per sequence),
   its tiles and its spec;
 - ``plan_backward``: the dQ and dK/dV kernels of a planned call;
-- ``plan_decode``: the static half of a ``decode_attention`` / paged call.
+- ``plan_decode``: the static half of a ``decode_attention`` / paged call (the split count,
+  which follows each call's lengths, is chosen at launch: ``kernels.decode.run_decode``).
 
 Plans are memoized on everything they read (bounded; ``clear_memos``). Mods
 arrive as the tracer's program texts (``flexgen.frontend.trace``) plus their
@@ -25,6 +26,7 @@ from ..codegen.spec import KernelSpec, dot_precision, kernel_spec, mod_fields
 from ..errors import expected
 from ..frontend.lowering import lower
 from ..frontend.trace import TracedMod
+from ..kernels.decode import decode_geometry, deep_stages, next_pow2
 from . import tuning
 from .checks import DTYPES, check_buffers, check_heads, check_tensor
 from .options import KernelOptions
@@ -274,7 +276,6 @@ def _plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_
         if want_max:
             raise expected("kernel_options['BACKEND']", "'AUTO' or 'TRITON' with return_aux max_scores",
                            "'TRITON_DECODE'", "the decode kernel does not write max scores")
-        from ..kernels.decode import plan_decode
         plan.kernel = "decode"
         plan.decode = plan_decode(query, key, value, score_traced, mask_traced, info, enable_gqa,
                                   opts, paged=False)
@@ -295,6 +296,132 @@ def _plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_
     plan.pointer_spec = spec(False) if use_tma else plan.spec
     plan.tune_blocks = None if opts.sets_tiles else (sparse_q, sparse_kv)
     return plan
+
+
+# ---------------------------------------------------------------------------------- decode
+
+@dataclass
+class DecodePlan:
+    """The static half of a decode call: its kernels and geometry (``plan_decode``)."""
+    spec: object                 # the split kernel
+    deep_spec: object            # the same with deeper pipelining, for programs alone on an SM
+    merge_spec: object           # the kernel combining the splits
+    q_tile: int
+    page_size: int               # 1 for contiguous keys
+    capacity: int                # keys per sequence the key tensor / page table can hold
+    programs: int                # (batch, kv head, query tile) work items
+    block_n: int
+    num_splits: int | None       # the caller's NUM_SPLITS, else None (chosen per call)
+    group: int                   # query heads per kv head
+    has_block_mask: bool
+    sparse_q: int
+    sparse_kv: int
+    replays: dict = field(default_factory=dict, repr=False)
+
+
+_DECODE: dict = {}
+
+
+def plan_decode(query, key, value, score_traced, mask_traced, info, enable_gqa, options, *,
+                paged: bool, page_table_shape=None) -> DecodePlan:
+    """Check the static inputs of a decode call and decide its kernels.
+
+    ``info`` is the block mask (``flexgen.runtime.plan.Mask``) or None; ``mask_traced`` is
+    its mask_mod, or a mask_mod applied element-wise to every key when ``info`` is None.
+    Paged calls give K/V caches ``[pages, page_size, Hkv, D]`` and the page table's shape.
+    """
+    kv_layout = "[pages, page_size, Hkv, D] (a paged cache)" if paged else "[B, Hkv, L, D]"
+    check_tensor("query", query, "[B, H, L, D]")
+    check_tensor("key", key, kv_layout)
+    check_tensor("value", value, kv_layout)
+    if not (query.dtype == key.dtype == value.dtype):
+        raise expected("key/value", f"the query's dtype {query.dtype}",
+                       f"key {key.dtype}, value {value.dtype}", "convert all three to one dtype")
+    device = query.device
+    if not (device == key.device == value.device):
+        raise expected("key/value", f"the query's device {device}",
+                       f"key on {key.device}, value on {value.device}", "move all three to one device")
+    B, Hq, Lq, D = query.shape
+    Dv = value.shape[-1]
+    if paged:
+        _, page_size, Hkv, Dk = key.shape
+        if value.shape[:3] != key.shape[:3]:
+            raise expected("value", f"a cache shaped like the key's {list(key.shape[:3])} + [Dv]",
+                           list(value.shape), "pass the value cache of the same PagedKVCache")
+        capacity = page_table_shape[1] * page_size
+    else:
+        if key.shape[0] not in (1, B) or value.shape[0] != key.shape[0]:
+            raise expected("key/value batch", f"batch {B} like query (or 1)",
+                           f"{key.shape[0]} and {value.shape[0]}", "give query, key and value one batch size")
+        if key.shape[1:3] != value.shape[1:3]:
+            raise expected("value", f"the key's heads and length {tuple(key.shape[1:3])}",
+                           tuple(value.shape[1:3]), "key and value must come from the same positions")
+        _, Hkv, capacity, Dk = key.shape
+        page_size = 1
+    if Dk != D:
+        raise expected("key.shape[-1]", f"the query's head dim {D}", Dk,
+                       "query and key need the same head dim (value's may differ)")
+    if B == 0 or Hq == 0 or Hkv == 0:
+        raise expected("query/key", "at least one batch row and one head",
+                       f"query {list(query.shape)}, key {list(key.shape)}", "skip the call for empty inputs")
+    check_heads(Hq, Hkv, enable_gqa)
+    memo = (tuple(query.shape), query.dtype, device, tuple(key.shape), tuple(value.shape), paged,
+            None if page_table_shape is None else tuple(page_table_shape),
+            None if score_traced is None else score_traced.graph,
+            None if mask_traced is None else mask_traced.graph, info, options,
+            dot_precision(query))
+    hit = _DECODE.get(memo)
+    if hit is not None:
+        return hit
+    G = Hq // Hkv
+    score = None if score_traced is None else lower(score_traced)
+    mask = None if mask_traced is None else lower(mask_traced)
+    sparse_q, sparse_kv = info.block_size if info is not None else (None, None)
+    q_tile, block_m, block_n, warps, stages = decode_geometry(device, G, Lq, max(D, Dv), sparse_q)
+    if options.BLOCK_M is not None:
+        # The query rows of a program: G heads' q_tile queries each.
+        q_tile = max(1, min(q_tile, options.BLOCK_M // next_pow2(G)))
+        block_m = max(16, next_pow2(G) * q_tile)
+    block_n = options.BLOCK_N or block_n
+    if sparse_kv is not None:
+        block_n = min(block_n, sparse_kv)
+    if block_n < 16 or block_n & (block_n - 1) or (sparse_kv is not None and sparse_kv % block_n):
+        raise expected("kernel_options['BLOCK_N']", "a power of two >= 16"
+                       + (f" dividing the sparse block {sparse_kv}" if sparse_kv else ""), block_n,
+                       "use 64 (or 32 / 128)")
+    warps = options.num_warps or warps
+    stages = options.num_stages or stages
+
+    def decode_spec(num_stages):
+        return kernel_spec(
+            "decode", **mod_fields(score, mask), qk_head=D, v_head=Dv, dtype=DTYPES[query.dtype],
+            has_block_mask=info is not None, block_m=block_m, block_n=block_n,
+            num_warps=warps, num_stages=num_stages, dot_precision=dot_precision(query))
+
+    spec = decode_spec(stages)
+    deep = deep_stages(device, max(D, Dv), stages, options)
+    plan = DecodePlan(
+        spec=spec, deep_spec=spec if deep == stages else decode_spec(deep),
+        merge_spec=kernel_spec("decode_merge", v_head=Dv, dtype=DTYPES[query.dtype],
+                               block_m=64 if device.type != "cuda" else 16, num_warps=4),
+        q_tile=q_tile, page_size=page_size, capacity=capacity,
+        programs=B * Hkv * -(-Lq // q_tile), block_n=block_n, num_splits=options.NUM_SPLITS,
+        group=G, has_block_mask=info is not None, sparse_q=sparse_q or 16,
+        sparse_kv=sparse_kv or block_n)
+    if len(_DECODE) >= _MEMO_MAX:
+        _DECODE.clear()
+    _DECODE[memo] = plan
+    return plan
+
+
+def plan_decode_call(query, key, value, score_mod: str, score_buffers, mask_mod: str, mask_buffers,
+                     block_lists, block_size, mask_lengths, page_table, enable_gqa, options: str):
+    """``plan_decode`` from what the decode op carries (program texts, lists, option text)."""
+    score = TracedMod.from_graph(score_mod, score_buffers) if score_mod else None
+    mask = TracedMod.from_graph(mask_mod, mask_buffers) if mask_mod else None
+    return plan_decode(query, key, value, score, mask, _mask_info(block_lists, block_size, mask_lengths),
+                       enable_gqa, KernelOptions.from_text(options), paged=page_table is not None,
+                       page_table_shape=None if page_table is None else tuple(page_table.shape))
 
 
 # ---------------------------------------------------------------------------------- backward
@@ -324,10 +451,12 @@ def plan_backward(plan: AttentionPlan, query, key, value, grad_slots: tuple):
 def clear_memos() -> None:
     """Forget every plan (``flexgen.clear_caches``)."""
     _ATTENTION.clear()
+    _DECODE.clear()
     from ..kernels.decode import clear_memos as clear_decode
     clear_decode()
 
 
-__all__ = ["AttentionPlan", "Mask", "plan_attention", "plan_backward", "check_qkv",
+__all__ = ["AttentionPlan", "DecodePlan", "Mask", "plan_attention", "plan_backward", "plan_decode",
+           "plan_decode_call", "check_qkv",
            "check_mask", "tiles", "out_strides", "TMA_MIN_SCORES", "MAX_DECODE_QUERIES",
            "LARGE_SPARSE_BLOCK", "clear_memos"]
