@@ -8,7 +8,7 @@ One query token per sequence (q_len = 1), Hq = 32 query heads over Hkv = 8
 KV heads (GQA 4), D = 128, bf16, for B in {1, 8, 64} and contexts of 1k, 8k,
 32k and 128k tokens. Per case:
 
-- ``flexgen contiguous``: ``flexgen.kernels.decode.decode_attention`` on K/V ``[B, Hkv, L, D]``;
+- ``flexgen contiguous``: ``flexgen.decode_attention`` on K/V ``[B, Hkv, L, D]``;
 - ``flexgen paged``: the same keys and values in a paged cache (page size 64,
   pages of all sequences shuffled in memory) read through a page table;
   checked against the contiguous output of the same data;
@@ -57,7 +57,7 @@ import traceback  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from flexgen.kernels.decode import decode_attention  # noqa: E402
+from flexgen import decode_attention  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Timer, environment, write_json  # noqa: E402
@@ -339,7 +339,7 @@ def run_torch(row, timer, cuda, seed):
 def check_mods(cuda) -> dict:
     """One paged GQA case with a score_mod and a block mask, against the float32 reference."""
     from flexgen.mods import sliding_window, tanh_softcap
-    from flexgen.kernels.paged import PagedKVCache
+    from flexgen import PagedKVCache
     from flexgen.reference import flex_attention_reference
     device = "cuda" if cuda else "cpu"
     torch.manual_seed(0)

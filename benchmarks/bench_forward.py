@@ -188,7 +188,7 @@ def flexgen_kernel(inputs, score_mod, block_mask, options) -> dict | None:
     try:
         from flexgen import api
         from flexgen.runtime import launch
-        spec = api._prepare(*inputs, score_mod, block_mask, None, False, options).spec
+        spec = api.plan(*inputs, score_mod, block_mask, None, False, options).spec
         spec = launch._FITS.get(spec.key, spec)      # stepped down to tiles that fit, if it had to
         return dict(use_tma=getattr(spec, "use_tma", False), block_m=spec.block_m,
                     block_n=spec.block_n, num_warps=spec.num_warps, num_stages=spec.num_stages)

@@ -169,7 +169,7 @@ def bench_small(rows, args, device, dtype):
         try:
             torch._dynamo.reset()
             torch.manual_seed(0)
-            model = SmallTransformer(attention, L=L, dim=64 if args.smoke else 1024,
+            model = SmallTransformer(attention, L=L, dim=128 if args.smoke else 1024,
                                      layers=2 if args.smoke else 4).to(device, dtype)
             step_model = torch.compile(model, fullgraph=True)
 

@@ -5,17 +5,19 @@
 
 Times, per call (median of several rounds of many calls, no synchronization
 inside a round, so kernel launches queue asynchronously): the whole call, and
-its stages measured separately on the same arguments: planning
-(``api._prepare``), output allocation, the module's ``arguments()`` and the
-Triton launch of the compiled kernel. Then a cProfile of the whole call,
-heaviest functions first.
+its stages measured separately on the same arguments: tracing the mods and
+reading the block mask (``api._mods``), planning (``runtime.plan.plan_attention``,
+memoized), the op's implementation alone (``runtime.ops._attention``), the custom
+op through the dispatcher (what a call needing gradients or torch.compile takes),
+output allocation, the module's ``arguments()`` and the Triton launch of the
+compiled kernel. Then a cProfile of the whole call, heaviest functions first.
 
 Then the decode path (one query token; Hq=32 over Hkv=8, D=128 on a GPU): the
 ``flex_attention`` dispatch, ``decode_attention`` on contiguous K/V and on a
 caller's page table, and ``PagedKVCache.attention`` / ``append``, at B=1 and
 B=8 (B=2 with --smoke), plain and with softcap + a causal block mask. Per case: the whole call,
-flexgen's own Python alone (``launch.run`` replaced by a no-op) and the plan
-(``decode._plan``); then a cProfile of the host-only call.
+flexgen's own Python alone (``launch.run`` replaced by a no-op); then a cProfile of
+the host-only call.
 """
 from __future__ import annotations
 
@@ -33,11 +35,10 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 import flexgen  # noqa: E402
-from flexgen import api
-from flexgen.codegen import cache
-from flexgen.kernels import decode
-from flexgen.runtime import launch  # noqa: E402
-from flexgen.kernels.paged import PagedKVCache  # noqa: E402
+from flexgen import PagedKVCache, api, decode_attention  # noqa: E402
+from flexgen.codegen import cache  # noqa: E402
+from flexgen.runtime import launch, ops  # noqa: E402
+from flexgen.runtime.plan import plan_attention  # noqa: E402
 
 
 def per_call_us(fn, calls, rounds, sync):
@@ -91,12 +92,10 @@ def decode_cases(device, dtype, smoke):
                 lambda q=q, k=k, v=v, m={**mods, **bm}: flexgen.flex_attention(q, k, v, enable_gqa=True, **m),
                 None)
             cases[f"decode B={B} {label}"] = (
-                lambda q=q, k=k, v=v, m={**mods, **bm_full}: decode.decode_attention(q, k, v, enable_gqa=True, **m),
-                lambda q=q, k=k, v=v, m={**mods, **bm_full}: decode._plan(
-                    q, k, v, m.get("score_mod"), m.get("block_mask"), None, True, None, None, None, None,
-                    None, None, None, None))
+                lambda q=q, k=k, v=v, m={**mods, **bm_full}: decode_attention(q, k, v, enable_gqa=True, **m),
+                None)
             cases[f"page_table B={B} {label}"] = (
-                lambda q=q, m={**mods, **bm_full}, kc=kc, vc=vc, t=table, n=lengths: decode.decode_attention(
+                lambda q=q, m={**mods, **bm_full}, kc=kc, vc=vc, t=table, n=lengths: decode_attention(
                     q, kc, vc, enable_gqa=True, kv_lengths=n, page_table=t, max_kv_len=L, **m),
                 None)
             cases[f"cache.attention B={B} {label}"] = (
@@ -114,7 +113,7 @@ def decode_rows(device, dtype, smoke, calls, rounds, sync):
         sync()
         stages = {"whole call": whole}
         if plan is not None:
-            stages["plan (decode._plan)"] = plan
+            stages["plan"] = plan
         for stage, fn in stages.items():
             rows.append((name, stage, per_call_us(fn, calls, rounds, sync)))
         launch.run = lambda *args, **kwargs: None      # flexgen's own Python only
@@ -151,22 +150,32 @@ def main(argv=None) -> int:
         def whole():
             return flexgen.flex_attention(q, k, v, **kwargs)
         whole()
-        call = api._prepare(q, k, v, kwargs.get("score_mod"), kwargs.get("block_mask"), None, False, None)
+        mods = api._mods(kwargs.get("score_mod"), kwargs.get("block_mask"))
+        score, sbufs, mask, mbufs, lists, block_size, lengths = mods
+        op_args = (q, k, v, list(sbufs), list(mbufs), list(lists), score, mask, list(block_size),
+                   list(lengths), 0.125, False, "", False)
+        call = plan_attention(q, k, v, score, sbufs, mask, mbufs, lists, block_size, lengths, 0.125,
+                              False, "")
         out = torch.empty(1, 1, 128, 64, dtype=dtype, device=device)
         lse = torch.empty(1, 1, 128, dtype=torch.float32, device=device)
-        inputs = (q, k, v, out, lse, call.sparse, call.score_buffers, call.mask_buffers, call.scale)
+        sparse = None if not lists else (*lists[:4], *block_size)
+        inputs = dict(q=q, k=k, v=v, out=out, lse=lse, sparse=sparse, score_buffers=sbufs,
+                      mask_buffers=mbufs, scale=0.125)
         module = cache.load(call.spec, interpret=device.type != "cuda")
-        grid, largs, constexprs = module.arguments(*inputs)
+        grid, largs, constexprs = module.arguments(**inputs)
         options = dict(num_warps=module.NUM_WARPS, num_stages=module.NUM_STAGES)
         constexprs = dict(constexprs, DOT_UPCAST=False)     # as launch.run passes it on a GPU
         stages = {
             "whole call": whole,
-            "plan (_prepare)": lambda: api._prepare(q, k, v, kwargs.get("score_mod"), kwargs.get("block_mask"),
-                                                     None, False, None),
+            "trace + mask (_mods)": lambda: api._mods(kwargs.get("score_mod"), kwargs.get("block_mask")),
+            "plan (memoized)": lambda: plan_attention(q, k, v, score, sbufs, mask, mbufs, lists,
+                                                      block_size, lengths, 0.125, False, ""),
+            "op impl (_attention)": lambda: ops._attention(*op_args),
+            "op via dispatcher": lambda: torch.ops.flexgen.attention(*op_args),
             "allocate out+lse": lambda: (torch.empty(1, 1, 128, 64, dtype=dtype, device=device),
                                          torch.empty(1, 1, 128, dtype=torch.float32, device=device)),
-            "module.arguments": lambda: module.arguments(*inputs),
-            "launch.run": lambda: launch.run(call.spec, device, *inputs),
+            "module.arguments": lambda: module.arguments(**inputs),
+            "launch.run": lambda: launch.run(call.spec, device, inputs),
         }
         if device.type == "cuda":
             stages["KERNEL[grid](...)"] = lambda: module.KERNEL[grid](*largs, **constexprs, **options)

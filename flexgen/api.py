@@ -101,6 +101,19 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     return (out, lse) if return_lse else out
 
 
+def plan(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
+         kernel_options=None):
+    """The plan ``flex_attention``'s op makes for these arguments (``flexgen.runtime.plan.
+    AttentionPlan``: which kernel, its spec and tiles): for inspection and benchmarks."""
+    from .runtime.plan import plan_attention
+    _tensors(query=query, key=key, value=value)
+    score_mod, score_buffers, mask_mod, mask_buffers, lists, block_size, lengths = _mods(
+        score_mod, block_mask)
+    return plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers, lists,
+                          block_size, lengths, check_scale(scale, query.shape[-1]), bool(enable_gqa),
+                          parse_options(kernel_options).text)
+
+
 def kernel_source(query, key, value, score_mod=None, block_mask=None, scale=None,
                   enable_gqa=False, kernel_options=None, part="forward") -> str:
     """The generated module source ``flex_attention`` would run for these arguments.
@@ -111,19 +124,15 @@ def kernel_source(query, key, value, score_mod=None, block_mask=None, scale=None
     launched; the source is what the disk cache holds for the kernel, with the tile
     table's tiles (a winner that ``flexgen.autotune`` stored for a size bucket may use others).
     """
-    from .runtime.plan import plan_attention, plan_backward
+    from .runtime.plan import plan_backward
     from .kernels.backward import grad_slots
     if part not in ("forward", "dq", "dkdv"):
         raise expected("part", '"forward", "dq" or "dkdv"', repr(part), "pick one of the three kernels")
-    _tensors(query=query, key=key, value=value)
-    score_mod, score_buffers, mask_mod, mask_buffers, lists, block_size, lengths = _mods(
-        score_mod, block_mask)
-    plan = plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers, lists,
-                          block_size, lengths, check_scale(scale, query.shape[-1]), bool(enable_gqa),
-                          parse_options(kernel_options).text)
+    call = plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options)
     if part == "forward":
-        return source(plan.spec if plan.kernel == "forward" else plan.decode.spec)
-    bw = plan_backward(plan, query, key, value, grad_slots(score_buffers))
+        return source(call.spec if call.kernel == "forward" else call.decode.spec)
+    score_buffers = () if score_mod is None else trace_cached(score_mod, "score_mod").buffers
+    bw = plan_backward(call, query, key, value, grad_slots(score_buffers))
     return source(bw.dq if part == "dq" else bw.dkdv)
 
 
@@ -314,5 +323,5 @@ def decode_kernel_source(query, key, value, score_mod=None, block_mask=None, sca
     return source(plan.spec)
 
 
-__all__ = ["flex_attention", "kernel_source", "decode_attention", "decode_kernel_source",
+__all__ = ["flex_attention", "plan", "kernel_source", "decode_attention", "decode_kernel_source",
            "AuxRequest", "AuxOutput", "check_scale"]
