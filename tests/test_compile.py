@@ -192,3 +192,33 @@ def test_ops_are_registered_with_fake_implementations():
                           ([], flexgen.frontend.trace.trace(causal, "mask_mod").graph, 1, 1, 32, 32,
                            16, 16, torch.device("cpu")),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
+def test_reduce_overhead_replays_on_gpu():
+    """mode="reduce-overhead" captures flexgen's ops in CUDA graphs: replays with new
+    inputs (and new block-mask lists, mask built inside) give eager's answers."""
+    L = 512
+
+    def fn(q, k, v, bias):
+        mask = create_block_mask(causal, None, None, L, L, device="cuda")
+        return flex_attention(q, k, v, score_mod=lambda s, b, h, qi, kv: s + bias[h, kv],
+                              block_mask=mask)
+
+    cfn = torch.compile(fn, mode="reduce-overhead", fullgraph=True)
+    for step in range(4):
+        q, k, v = (torch.randn(2, 4, L, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        bias = torch.randn(4, L, device="cuda")
+        close(cfn(q, k, v, bias), fn(q, k, v, bias), 2e-2)
+
+    lengths = torch.tensor([100, 300], dtype=torch.int32, device="cuda")
+    k, v = (torch.randn(2, 2, L, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+    def step(q, lengths):
+        return decode_attention(q, k, v, enable_gqa=True, kv_lengths=lengths, max_kv_len=L)
+
+    cstep = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    for n in ((100, 300), (101, 301), (500, 7), (512, 1)):
+        lengths.copy_(torch.tensor(n, dtype=torch.int32))
+        q = torch.randn(2, 4, 1, 64, device="cuda", dtype=torch.bfloat16)
+        close(cstep(q, lengths), step(q, lengths), 2e-2)
