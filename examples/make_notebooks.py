@@ -140,7 +140,7 @@ ref_out, ref_lse = flex_attention_reference(qb, kb, vb, mask_mod=window, enable_
 torch.testing.assert_close(out.double(), ref_out, atol=2e-2, rtol=2e-2)   # bf16 output
 torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-4)   # float32 LSE
 print(out.dtype, tuple(out.shape), "| lse", lse.dtype, tuple(lse.shape),
-      f"| {window_mask.sparsity():.1f}% of blocks skipped")
+      f"| {window_mask.sparsity():.1f}% of the scores skipped")
 """),
     md("""
 ## What happened behind the call
@@ -459,7 +459,7 @@ for name, (mask_mod, q_len, kv_len) in gallery.items():
     out = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
     reference = flex_attention_reference(q, k, v, mask_mod=mask_mod, enable_gqa=True)
     torch.testing.assert_close(out.double(), reference, atol=1e-4, rtol=1e-4)
-    print(f"{name:28s} ok, {block_mask.sparsity():5.1f}% of blocks of 32 skipped")
+    print(f"{name:28s} ok, {block_mask.sparsity():5.1f}% of the scores skipped")
 """),
     ]
     return cells
@@ -526,7 +526,7 @@ documents = M.document_mask(doc_ids)
 packed_causal = M.and_masks(M.causal_mask, documents)
 for name, mod in (("causal", M.causal_mask), ("documents", documents), ("both", packed_causal)):
     block_mask = run_and_check(mask_mod=mod, mask_batch=B)
-    print(f"{name:10s} {block_mask.sparsity():5.1f}% of blocks skipped (both sequences)")
+    print(f"{name:10s} {block_mask.sparsity():5.1f}% of the scores skipped (both sequences)")
 block_mask.plot()
 """),
     md("""
@@ -581,7 +581,7 @@ reference = flex_attention_reference(qb, kb, vb, score_mod=score_mod, mask_mod=m
                                      enable_gqa=True)
 torch.testing.assert_close(out.double(), reference, atol=2e-2, rtol=2e-2)
 print(*header(score_mod, block_mask), sep="\\n")
-print(f"{block_mask.sparsity():.1f}% of blocks skipped; max |difference| from the reference",
+print(f"{block_mask.sparsity():.1f}% of the scores skipped; max |difference| from the reference",
       f"{(out.double() - reference).abs().max().item():.1e} (bf16)")
 block_mask.plot()
 """),

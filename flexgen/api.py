@@ -215,7 +215,9 @@ def decode_attention(query, key, value, score_mod=None, block_mask=None, scale=N
 
     ``score_mod(score, b, h, q_idx, kv_idx)`` and the mask (``block_mask`` for
     logical positions, or ``mask_mod`` applied element-wise) work as in
-    ``flex_attention``; ``h`` is the query head, ``b`` the batch row. Hq must
+    ``flex_attention``; ``h`` is the query head, ``b`` the batch row (a mask sliced for
+    the query, torch's decode pattern ``block_mask[:, :, i]`` with ``seq_lengths=(1, L)``,
+    reads q_idx from 0: pass ``q_offsets=0``). Hq must
     be a multiple of Hkv with ``enable_gqa=True``. ``num_splits`` overrides the
     split-K count (as ``kernel_options={"NUM_SPLITS": n}``). ``max_kv_len`` is a host-side
     upper bound on the lengths (only used to choose the split count when the lengths
@@ -292,8 +294,14 @@ def decode_attention(query, key, value, score_mod=None, block_mask=None, scale=N
                                     "build the mask for the cache's logical length"))
         q_end = _query_end(q_offsets, q_lengths, B, Lq, kv_max, host_ql)
         if q_end is not None and q_end > mQ:
+            # A mask as long as the query is most likely torch's decode pattern (a sliced
+            # mask, seq_lengths (Lq, L), an offset mask_mod): flex_attention's positions.
             raise reported(expected("block_mask", "a mask whose Q_LEN exceeds every query position "
                                     f"(q_idx runs up to {q_end - 1})", f"Q_LEN={mQ}",
+                                    "for a mask of the query's own positions (torch's decode "
+                                    "pattern: block_mask[:, :, i] with seq_lengths=(1, L) and an "
+                                    "offset mask_mod) pass q_offsets=0, so q_idx starts at 0 as in "
+                                    "flex_attention" if mQ == Lq else
                                     "build the mask for the cache's logical length "
                                     "(PagedKVCache.block_mask)"))
     if max_kv_len is None:

@@ -86,8 +86,9 @@ def check_mask(mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE):
     check_lists(mask.q_num_blocks, mask.q_indices, states.transpose(-1, -2), PARTIAL)
     check_lists(mask.full_q_num_blocks, mask.full_q_indices, states.transpose(-1, -2), FULL)
     assert torch.equal(mask.to_dense(), (states > 0).to(torch.int32))
-    computed = int((states > 0).sum())
-    assert mask.sparsity() == pytest.approx(100.0 * (1 - computed / states.numel()))
+    # torch's meaning: elements of the [B, H, Q_LEN, KV_LEN] shape not computed, whole blocks
+    computed = int((states > 0).sum()) * qb * kvb
+    assert mask.sparsity() == pytest.approx(100.0 * (1 - computed / (Bn * Hn * Q_LEN * KV_LEN)))
     return mask
 
 
@@ -199,6 +200,30 @@ def test_create_mask_of_score_mod():
 
     assert torch.equal(create_mask(inf_mask, 1, 1, 20, 20, device="cpu"),
                        create_mask(M.causal_mask, 1, 1, 20, 20, device="cpu"))
+
+
+def test_partial_blocks_of_a_noop_mask_are_visited():
+    """A mask_mod that keeps everything adds no mask code, but the forward and both
+    backward kernels still visit its partial blocks (lists from torch or built by hand
+    may list blocks as partial under noop_mask)."""
+    from flexgen.reference import flex_attention_reference
+
+    states = torch.tensor([[[[1, 0, 2], [0, 1, 1], [2, 2, 0]]]], dtype=torch.int8)
+    mask = BlockMask.from_states(states, (16, 16), flexgen.noop_mask, (41, 37))
+    visited = states[0, 0] > 0
+
+    def listed(b, h, q_idx, kv_idx):
+        return visited[q_idx // 16, kv_idx // 16]
+
+    q, k, v = (torch.randn(1, 1, n, 16, requires_grad=True) for n in (41, 37, 37))
+    out = flexgen.flex_attention(q, k, v, block_mask=mask)
+    ref = flex_attention_reference(q, k, v, mask_mod=listed)
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+    d_out = torch.randn(out.shape)
+    got = torch.autograd.grad((out * d_out).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * d_out.double()).sum(), (q, k, v))
+    for name, a, b in zip("qkv", got, want):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4, msg=lambda m, name=name: f"d{name}: {m}")
 
 
 def test_new_lengths_reuse_the_mask_kernel(monkeypatch):

@@ -19,9 +19,9 @@ import triton
 from .. import __version__
 from ..codegen.printer import Snippet
 
-TEMPLATE_VERSIONS = {"forward": 3, "block_mask": 1,
+TEMPLATE_VERSIONS = {"forward": 4, "block_mask": 1,
                      "decode": 1, "decode_merge": 1, "paged_write": 1,
-                     "backward": 3}
+                     "backward": 4}
 
 
 def pad_head_dim(d: int) -> int:
