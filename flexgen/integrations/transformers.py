@@ -23,8 +23,6 @@ transformers is imported only by ``register()``.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ..api import flex_attention
@@ -209,11 +207,18 @@ def _refuse_unsupported(module, dropout, kwargs) -> None:
             'load the model with attn_implementation="eager" to look at attention weights'))
 
 
-@functools.lru_cache(maxsize=64)
+_SOFTCAPS: dict = {}
+
+
 def _softcap_mod(cap: float):
-    # One function object per cap: flexgen's trace memo then reuses one trace for every
-    # layer and step.
-    return tanh_softcap(cap)
+    """One function object per cap, so that flexgen's trace memo reuses one trace for every
+    layer and step (torch.compile traces the mod afresh anyway)."""
+    if torch.compiler.is_compiling():
+        return tanh_softcap(cap)
+    mod = _SOFTCAPS.get(cap)
+    if mod is None:
+        mod = _SOFTCAPS[cap] = tanh_softcap(cap)
+    return mod
 
 
 def _at(t, b, h, q_idx, kv_idx):
