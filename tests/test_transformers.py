@@ -1,4 +1,5 @@
-"""``attn_implementation="flexgen"`` in Hugging Face transformers (flexgen.integrations.transformers).
+"""``attn_implementation="flexgen"`` in Hugging Face transformers
+(``flexgen.integrations.transformers``).
 
 Tiny models with random weights (no downloads), float32 on CPU, compared with transformers'
 own attention: "eager" (plain matmul + softmax, which also applies Gemma 2's soft-cap and
@@ -43,9 +44,9 @@ def _config(family, **overrides):
                                         max_window_layers=1, **overrides)
     if family == "gemma2":
         # Alternating sliding / full layers; a soft-cap small enough to bend most scores.
-        return transformers.Gemma2Config(**COMMON, sliding_window=WINDOW, attn_logit_softcapping=4.0,
-                                         final_logit_softcapping=None, query_pre_attn_scalar=16,
-                                         **overrides)
+        return transformers.Gemma2Config(**COMMON, sliding_window=WINDOW,
+                                         attn_logit_softcapping=4.0, final_logit_softcapping=None,
+                                         query_pre_attn_scalar=16, **overrides)
     if family == "gpt_oss":
         # Attention sinks (s_aux), alternating sliding / full layers, a small MoE.
         return transformers.GptOssConfig(**COMMON, sliding_window=WINDOW, num_local_experts=2,
@@ -61,12 +62,14 @@ def _pair(family, reference="eager", **overrides):
     model = transformers.AutoModelForCausalLM.from_config(_config(family, **overrides),
                                                           attn_implementation="flexgen")
     model.load_state_dict(ref.state_dict())
-    assert (model.config._attn_implementation, ref.config._attn_implementation) == ("flexgen", reference)
+    assert model.config._attn_implementation == "flexgen"
+    assert ref.config._attn_implementation == reference
     return model.eval(), ref.eval()
 
 
 def _padded_batch(length=PROMPT):
-    """Token ids [3, length] and their 2-D mask: row 0 left-padded, row 1 right-padded, row 2 full."""
+    """Token ids [3, length] and their 2-D mask: row 0 left-padded, row 1 right-padded,
+    row 2 unpadded."""
     ids = torch.randint(0, VOCAB, (3, length))
     mask = torch.ones(3, length, dtype=torch.long)
     mask[0, :4] = 0
@@ -172,7 +175,8 @@ def test_compiled_fullgraph_prefill_and_decode_step():
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     ids, mask = _padded_batch()
     mask[1] = 1
-    caches = [transformers.StaticCache(config=m.config, max_cache_len=PROMPT + 3) for m in (model, ref)]
+    caches = [transformers.StaticCache(config=m.config, max_cache_len=PROMPT + 3)
+              for m in (model, ref)]
     step = torch.randint(0, VOCAB, (3, 1))
     longer = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], dim=1)
     with torch.no_grad():
@@ -273,7 +277,8 @@ def test_unsupported_features_raise_flexgen_errors():
 def test_register_needs_transformers_and_import_does_not_load_it(monkeypatch):
     """``import flexgen`` leaves transformers unimported; register() without it raises a
     FlexgenError saying what to install."""
-    code = "import sys, flexgen, flexgen.integrations.transformers; print('transformers' in sys.modules)"
+    code = ("import sys, flexgen, flexgen.integrations.transformers; "
+            "print('transformers' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
     monkeypatch.setitem(sys.modules, "transformers", None)
