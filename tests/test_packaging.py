@@ -50,8 +50,9 @@ def test_wheel_contents(wheel):
         assert f"flexgen/templates/{template.name}" in names, f"{template.name} missing from the wheel"
     for mod in (ROOT / "mods").glob("*.py"):
         assert f"flexgen/mods/{mod.name}" in names, f"mods/{mod.name} missing from the wheel"
-    for module in (ROOT / "flexgen").glob("*.py"):
-        assert f"flexgen/{module.name}" in names
+    for module in (ROOT / "flexgen").rglob("*.py"):      # every subpackage listed in pyproject
+        path = module.relative_to(ROOT).as_posix()
+        assert path in names, f"{path} missing from the wheel"
     assert "flexgen/templates/forward.py.jinja" in names
     assert "flexgen/templates/common.py.jinja" in names
     assert not any(n.startswith(("tests/", "mods/", "templates/")) for n in names), \
