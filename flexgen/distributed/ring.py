@@ -334,22 +334,22 @@ def _check_inputs(query, key, value, mask_mod, comm, block_size):
         raise expected("block_size", "a power of two >= 16", repr(block_size), "use 128 (the default)")
 
 
-def _check_across_ranks(call, query, key, value, layout, block_size):
+def _check_across_ranks(group, world, comm, query, key, value, layout, block_size):
     """Every rank passes shards of one shape: checked with one small all-gather the first time
     this process sees a shape (shapes that differ across ranks would deadlock or corrupt the
     exchange). A rank that repeats a shape while another brings a new one is not caught."""
     sig = (tuple(query.shape), tuple(key.shape), tuple(value.shape),
            _DTYPES.index(query.dtype) if query.dtype in _DTYPES else -1,
            _DTYPES.index(key.dtype) if key.dtype in _DTYPES else -1,
-           ("load_balanced", "contiguous").index(layout), block_size, COMMS.index(call.comm))
-    key_ = (id(call.group), call.world, sig)
-    if call.world == 1 or key_ in _CHECKED:
+           ("load_balanced", "contiguous").index(layout), block_size, COMMS.index(comm))
+    key_ = (id(group), world, sig)
+    if world == 1 or key_ in _CHECKED:
         return
     flat = [n for part in sig for n in (part if isinstance(part, tuple) else (part,))]
     mine = torch.tensor(flat, dtype=torch.int64, device=query.device)
-    every = torch.empty(call.world * mine.numel(), dtype=torch.int64, device=query.device)
-    _all_gather(every, mine, group=call.group)
-    rows = every.view(call.world, -1).tolist()
+    every = torch.empty(world * mine.numel(), dtype=torch.int64, device=query.device)
+    _all_gather(every, mine, group=group)
+    rows = every.view(world, -1).tolist()
     if any(row != rows[0] for row in rows):
         names = ["query shape", "key shape", "value shape", "query dtype", "key dtype", "layout",
                  "block_size", "comm"]
@@ -407,13 +407,13 @@ def context_parallel_attention(query, key, value, score_mod=None, mask_mod=None,
     check_shard_length("query", local_len, world, layout)
     scale = check_scale(scale, D)
     parse_options(kernel_options)
-    plan = plan_for(mask_mod, B, Hq, local_len, world, rank, layout, block_size, query.device)
     if comm == "auto":
         kv_bytes = (key.numel() + value.numel()) * key.element_size()
         comm = "all_gather" if mask_mod is None and kv_bytes <= ALL_GATHER_MAX_BYTES else "p2p"
+    _check_across_ranks(group, world, comm, query, key, value, layout, block_size)
+    plan = plan_for(mask_mod, B, Hq, local_len, world, rank, layout, block_size, query.device)
     call = _Call(group, rank, world, plan, score_mod, scale, bool(enable_gqa), kernel_options, comm,
                  tuple(key.shape), tuple(value.shape))
-    _check_across_ranks(call, query, key, value, layout, block_size)
     buffers = () if score_mod is None else trace_cached(score_mod, "score_mod").buffers
     call.grad_buffers = tuple(buffers[i] for i in grad_slots(buffers))
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, *call.grad_buffers)):
