@@ -49,7 +49,6 @@ os.environ.pop("FLEXGEN_POISON", None)       # timings without NaN-poisoning fil
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -198,6 +197,9 @@ def profile_overlap(step, device) -> dict:
 
 # ---------------------------------------------------------------------------------- torch's CP
 
+_MESH: dict = {}
+
+
 def torch_cp(mask_mod, L, args, device, smoke):
     """A callable (q, k, v) -> out: torch's context-parallel FlexAttention on this rank's
     head-tail (= load_balanced) shards, or raise with the reason it is unavailable."""
@@ -208,7 +210,9 @@ def torch_cp(mask_mod, L, args, device, smoke):
     from torch.nn.attention.flex_attention import flex_attention
     import torch.distributed.distributed_c10d as c10d
     world = dist.get_world_size()
-    mesh = init_device_mesh(device.type, (world,))
+    mesh = _MESH.get(device.type)
+    if mesh is None:                  # one mesh (and its process group) for every case
+        mesh = _MESH[device.type] = init_device_mesh(device.type, (world,))
     balancer = _HeadTailLoadBalancer(L, world, device)
     block_mask = cp_attention._create_cp_block_mask(mask_mod, 1, args.heads, L, L, mesh, balancer)
     attend = flex_attention if smoke else torch.compile(flex_attention, dynamic=False, fullgraph=True)

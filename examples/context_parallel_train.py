@@ -4,9 +4,10 @@ Every process holds one shard of each sequence (``flexgen.distributed.shard``, t
 load-balanced layout); attention is ``flexgen.distributed.context_parallel_attention``:
 the key/value shards travel between the processes while the local kernels run, and
 the backward pass sends the key/value gradients back to their owners. The model is
-wrapped in ``DistributedDataParallel``, which averages the parameter gradients over the
-processes; with every process holding the same number of tokens that average is
-exactly the gradient of the loss over the whole sequence.
+wrapped in ``DistributedDataParallel`` (or FSDP2's ``fully_shard`` with ``--wrap fsdp``),
+which averages the parameter gradients over the processes; with every process holding
+the same number of tokens that average is exactly the gradient of the loss over the
+whole sequence.
 
 The attention: packed documents (a document mask over global positions, document
 borders falling inside shards) with a causal mask, grouped-query heads, and a
@@ -18,12 +19,14 @@ The script checks that each step's loss equals, to float32 rounding, the loss of
 same model trained in ONE process on the whole sequence (``flexgen.flex_attention``).
 
     python examples/context_parallel_train.py          # spawns 2 processes (gloo on CPU)
+    python examples/context_parallel_train.py --wrap both     # DDP, then FSDP2
     torchrun --nproc_per_node 2 examples/context_parallel_train.py   # NCCL on 2 GPUs
 
 On CPU the kernels run through the Triton interpreter (a minute or so).
 """
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import sys
@@ -115,10 +118,17 @@ def train(model, tokens, positions, labels, attend, loss_of, device):
     return losses
 
 
-def context_parallel_run(rank: int, device) -> list:
+def context_parallel_run(rank: int, device, wrap: str = "ddp") -> list:
     torch.manual_seed(0)
     model = Model().to(device)
-    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if wrap == "ddp":
+        model = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
+    else:                        # FSDP2: parameters sharded over the same ranks, gathered per layer
+        from torch.distributed.fsdp import fully_shard
+        for layer in model.attn:
+            fully_shard(layer)
+        fully_shard(model)
     batch = make_batch(device)
     tokens, labels = shard(batch[:, :-1], dim=1), shard(batch[:, 1:], dim=1)
     positions = shard_positions(L // WORLD, device=device).expand(tokens.shape[0], -1)
@@ -132,7 +142,7 @@ def context_parallel_run(rank: int, device) -> list:
         total = local.clone()
         dist.all_reduce(total)
         return float(total) / WORLD
-    return train(ddp, tokens, positions, labels, attend, global_loss, device)
+    return train(model, tokens, positions, labels, attend, global_loss, device)
 
 
 def single_process_run(device) -> list:
@@ -148,7 +158,7 @@ def single_process_run(device) -> list:
     return train(model, tokens, positions, labels, attend, float, device)
 
 
-def worker(rank: int, world: int) -> None:
+def worker(rank: int, world: int, wraps=("ddp",)) -> None:
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
     if cuda:
         torch.cuda.set_device(rank)
@@ -157,36 +167,42 @@ def worker(rank: int, world: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))   # the processes share the cores
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     try:
-        losses = context_parallel_run(rank, device)
+        runs = {wrap: context_parallel_run(rank, device, wrap) for wrap in wraps}
         if rank == 0:
-            print(f"context parallel ({world} processes, {dist.get_backend()}): "
-                  + " ".join(f"{x:.6f}" for x in losses), flush=True)
             alone = single_process_run(device)
-            print(f"one process:                        " + " ".join(f"{x:.6f}" for x in alone))
-            worst = max(abs(a - b) for a, b in zip(losses, alone))
-            if worst > 1e-4 or not losses[-1] < losses[0]:
+            print(f"one process:                          " + " ".join(f"{x:.6f}" for x in alone))
+            worst = 0.0
+            for wrap, losses in runs.items():
+                print(f"context parallel, {world} processes, {wrap:<4}: "
+                      + " ".join(f"{x:.6f}" for x in losses), flush=True)
+                worst = max([worst] + [abs(a - b) for a, b in zip(losses, alone)])
+            if worst > 1e-4 or not alone[-1] < alone[0]:
                 print(f"MISMATCH: largest loss difference {worst:.2e}")
                 sys.exit(1)
-            print(f"losses match (largest difference {worst:.1e}); the loss falls "
-                  f"{losses[0]:.3f} -> {losses[-1]:.3f}")
+            print(f"losses match (largest difference {worst:.1e}, {dist.get_backend()}); the loss falls "
+                  f"{alone[0]:.3f} -> {alone[-1]:.3f}")
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def _spawned(rank, world, port):
+def _spawned(rank, world, port, wraps):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    worker(rank, world)
+    worker(rank, world, wraps)
 
 
 def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--wrap", default="ddp", choices=("ddp", "fsdp", "both"),
+                   help="DistributedDataParallel, FSDP2 (fully_shard), or one run of each")
+    wraps = ("ddp", "fsdp") if (w := p.parse_args().wrap) == "both" else (w,)
     if "RANK" in os.environ:                             # under torchrun
-        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), wraps)
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    torch.multiprocessing.spawn(_spawned, args=(WORLD, port), nprocs=WORLD)
+    torch.multiprocessing.spawn(_spawned, args=(WORLD, port, wraps), nprocs=WORLD)
 
 
 if __name__ == "__main__":

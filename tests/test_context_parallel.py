@@ -200,8 +200,10 @@ def test_gradient_error_before_the_forward(one_rank):
 
 @pytest.mark.slow
 def test_example_trains_like_one_process():
-    """examples/context_parallel_train.py: 2 gloo processes, losses equal to one process's."""
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / "context_parallel_train.py")],
+    """examples/context_parallel_train.py: 2 gloo processes under DDP and under FSDP2, losses equal
+    to one process's."""
+    script = ROOT / "examples" / "context_parallel_train.py"
+    done = subprocess.run([sys.executable, str(script), "--wrap", "both"],
                           capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "losses match" in done.stdout, done.stdout[-3000:]
