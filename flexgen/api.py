@@ -314,5 +314,67 @@ def decode_kernel_source(query, key, value, score_mod=None, block_mask=None, sca
     return source(plan.spec)
 
 
+# ---------------------------------------------------------------------------------- sigmoid attention
+
+def check_bias(bias, kv_len) -> float:
+    """The sigmoid's bias: ``bias`` itself, or -log(KV_LEN) for None."""
+    if bias is None:
+        return -math.log(max(1, kv_len))
+    if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not math.isfinite(bias):
+        raise reported(expected("bias", "a finite float or None (-log(KV_LEN))", repr(bias),
+                                "pass a Python float"))
+    return float(bias)
+
+
+def sigmoid_attention(query, key, value, score_mod=None, block_mask=None, scale=None, bias=None,
+                      enable_gqa=False, kernel_options=None):
+    """Sigmoid attention: ``out_i = Σ_j keep_ij · sigmoid(score_mod(q_i·k_j · scale) + bias) · v_j``.
+
+    The same call as ``flex_attention`` with the softmax replaced by an elementwise sigmoid
+    and no row normalization: query ``[B, Hq, Lq, D]``, key ``[B or 1, Hkv, Lkv, D]``, value
+    ``[B or 1, Hkv, Lkv, Dv]`` (fp16, bf16 or fp32; D and Dv from 16 to 256; GQA with
+    ``enable_gqa=True``); every score_mod and block mask ``flex_attention`` takes works here
+    (the same generated loops skip the same blocks). ``scale`` defaults to 1/sqrt(D),
+    ``bias`` (a float, a runtime argument of the kernel) to ``-log(Lkv)``, which keeps the
+    sum of the weights near one at initialization. A fully masked row is exactly 0.
+    Returns ``out [B, Hq, Lq, Dv]`` in the query's dtype and stride order; a few queries per
+    sequence (Lq <= 16) take the split-K decode kernel.
+
+    Differentiable: gradients flow to query, key, value and to floating tensors the
+    score_mod captures that require grad. One ``torch.ops.flexgen.sigmoid_attention`` op
+    per call (its backward one more), so torch.compile(fullgraph=True) takes it as is.
+    """
+    _tensors(query=query, key=key, value=value)
+    score_mod, score_buffers, mask_mod, mask_buffers, lists, block_size, lengths = _mods(
+        score_mod, block_mask)
+    return ops.call_sigmoid_attention(
+        query, key, value, score_buffers, mask_buffers, lists, score_mod, mask_mod, block_size, lengths,
+        check_scale(scale, query.shape[-1]), check_bias(bias, key.shape[2]), bool(enable_gqa),
+        parse_options(kernel_options).text)
+
+
+def sigmoid_kernel_source(query, key, value, score_mod=None, block_mask=None, scale=None,
+                          enable_gqa=False, kernel_options=None, part="forward") -> str:
+    """The generated module source ``sigmoid_attention`` would run for these arguments:
+    ``part`` "forward" (the forward kernel, or the decode kernel for a few queries), "dq" or
+    "dkdv" (the backward's two kernels). Nothing is launched."""
+    from .runtime.plan import plan_sigmoid, plan_sigmoid_backward
+    from .kernels.backward import grad_slots
+    if part not in ("forward", "dq", "dkdv"):
+        raise expected("part", '"forward", "dq" or "dkdv"', repr(part), "pick one of the three kernels")
+    _tensors(query=query, key=key, value=value)
+    score_mod, score_buffers, mask_mod, mask_buffers, lists, block_size, lengths = _mods(
+        score_mod, block_mask)
+    args = (query, key, value, score_mod, score_buffers, mask_mod, mask_buffers, lists, block_size,
+            lengths, check_scale(scale, query.shape[-1]), bool(enable_gqa),
+            parse_options(kernel_options).text)
+    plan = plan_sigmoid(*args)
+    if part == "forward":
+        return source(plan.spec if plan.kernel == "forward" else plan.decode.spec)
+    bw = plan_sigmoid_backward(*args, grad_slots(score_buffers))
+    return source(bw.dq if part == "dq" else bw.dkdv)
+
+
 __all__ = ["flex_attention", "kernel_source", "decode_attention", "decode_kernel_source",
-           "AuxRequest", "AuxOutput", "check_scale"]
+           "AuxRequest", "AuxOutput", "check_scale", "sigmoid_attention", "sigmoid_kernel_source",
+           "check_bias"]

@@ -18,6 +18,7 @@ captured tensors; a block mask as its eight lists, block size and lengths.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -448,15 +449,88 @@ def plan_backward(plan: AttentionPlan, query, key, value, grad_slots: tuple):
     return hit
 
 
+# ---------------------------------------------------------------------------------- sigmoid attention
+#
+# sigmoid_attention runs flex_attention's kernels with the "sigmoid" activation (each weight
+# sigmoid(z + bias) on its own, no running max or row sum): the same checks, the same kernel
+# choice (the decode kernel for a few queries), the same tiles and block-sparse loops. Its plans
+# are flex_attention's with every spec switched.
+
+_SIGMOID: dict = {}
+_SIGMOID_SPECS: dict = {}
+
+
+def sigmoid_spec(spec):
+    """``spec`` (a forward, backward, decode or merge spec, or None) with the sigmoid activation."""
+    if spec is None:
+        return None
+    hit = _SIGMOID_SPECS.get(spec.key)
+    if hit is None:
+        if len(_SIGMOID_SPECS) >= _MEMO_MAX:
+            _SIGMOID_SPECS.clear()
+        hit = _SIGMOID_SPECS[spec.key] = dataclasses.replace(spec, activation="sigmoid")
+    return hit
+
+
+def _sigmoid_plans(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers, block_lists,
+                   block_size, mask_lengths, scale, enable_gqa, options) -> tuple:
+    """(flex_attention's plan, sigmoid_attention's plan) of one call, memoized."""
+    memo = (_key(query, key, value), score_mod, _key(*score_buffers), mask_mod, _key(*mask_buffers),
+            _key(*block_lists[:2]), tuple(block_size), tuple(mask_lengths), scale, enable_gqa, options,
+            torch.backends.cuda.matmul.allow_tf32 if query.device.type == "cuda" else None)
+
+    def make():
+        base = plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers,
+                              block_lists, block_size, mask_lengths, scale, enable_gqa, options)
+        decode = base.decode
+        if decode is not None:
+            decode = dataclasses.replace(decode, spec=sigmoid_spec(decode.spec),
+                                         deep_spec=sigmoid_spec(decode.deep_spec),
+                                         merge_spec=sigmoid_spec(decode.merge_spec), replays={})
+        return base, dataclasses.replace(base, spec=sigmoid_spec(base.spec),
+                                         pointer_spec=sigmoid_spec(base.pointer_spec), decode=decode,
+                                         replay=[None], backward={})
+
+    return _memo(_SIGMOID, memo, make)
+
+
+def plan_sigmoid(query, key, value, score_mod: str, score_buffers, mask_mod: str, mask_buffers,
+                 block_lists, block_size, mask_lengths, scale, enable_gqa: bool,
+                 options: str) -> AttentionPlan:
+    """Check a ``sigmoid_attention`` call and decide its kernels: ``plan_attention``'s, with the
+    sigmoid activation."""
+    return _sigmoid_plans(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers,
+                          block_lists, block_size, mask_lengths, scale, enable_gqa, options)[1]
+
+
+def plan_sigmoid_backward(query, key, value, score_mod: str, score_buffers, mask_mod: str, mask_buffers,
+                          block_lists, block_size, mask_lengths, scale, enable_gqa: bool, options: str,
+                          grad_slots: tuple):
+    """The dQ and dK/dV kernels of a ``sigmoid_attention`` call: ``plan_backward``'s, with the
+    sigmoid activation (memoized on the sigmoid plan; GradientError as there)."""
+    base, plan = _sigmoid_plans(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers,
+                                block_lists, block_size, mask_lengths, scale, enable_gqa, options)
+    memo = (grad_slots, torch.are_deterministic_algorithms_enabled())
+    hit = plan.backward.get(memo)
+    if hit is None:
+        bw = plan_backward(base, query, key, value, grad_slots)
+        hit = plan.backward[memo] = dataclasses.replace(
+            bw, dq=sigmoid_spec(bw.dq), dkdv=sigmoid_spec(bw.dkdv),
+            pointer=None if bw.pointer is None else tuple(map(sigmoid_spec, bw.pointer)))
+    return hit
+
+
 def clear_memos() -> None:
     """Forget every plan (``flexgen.clear_caches``)."""
     _ATTENTION.clear()
     _DECODE.clear()
+    _SIGMOID.clear()
+    _SIGMOID_SPECS.clear()
     from ..kernels.decode import clear_memos as clear_decode
     clear_decode()
 
 
 __all__ = ["AttentionPlan", "DecodePlan", "Mask", "plan_attention", "plan_backward", "plan_decode",
-           "plan_decode_call", "check_qkv",
+           "plan_decode_call", "check_qkv", "plan_sigmoid", "plan_sigmoid_backward", "sigmoid_spec",
            "check_mask", "tiles", "out_strides", "TMA_MIN_SCORES", "MAX_DECODE_QUERIES",
            "LARGE_SPARSE_BLOCK", "clear_memos"]
