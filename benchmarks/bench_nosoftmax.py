@@ -39,10 +39,8 @@ os.environ.pop("FLEXGEN_POISON", None)
 import argparse  # noqa: E402
 import gc  # noqa: E402
 import inspect  # noqa: E402
-import math  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 import traceback  # noqa: E402
 
 import torch  # noqa: E402
@@ -236,6 +234,7 @@ def linear_cases(args, timer, cuda, device) -> list:
 # ---------------------------------------------------------------------------------- decode
 
 def copy_gbps(timer, cuda) -> float | None:
+    """Device-to-device copy bandwidth (GB/s: bytes read + written), the decode's ceiling."""
     if not cuda:
         return None
     n = 1 << 28                                        # 1 GiB of float32
@@ -247,7 +246,8 @@ def copy_gbps(timer, cuda) -> float | None:
 
 
 def graph_ms(fn, timer, cuda) -> float | None:
-    """Median ms of ``fn`` replayed from a CUDA graph (warmed up on a side stream first)."""
+    """Median ms of ``fn`` replayed from a CUDA graph, as a serving loop runs its decode steps
+    (warmed up on a side stream first: nothing may synchronize during the capture)."""
     if not cuda:
         return None
     side = torch.cuda.Stream()

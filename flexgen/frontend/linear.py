@@ -46,9 +46,9 @@ class DecayGrad:
     grad_buffers: tuple    # BufferSig per gradient buffer, in slot order
 
 
-def _names(traced: TracedMod, err) -> str:
-    text = _UserText().doprint(err.part)
-    return f"`{text}`"
+def _user_text(err) -> str:
+    """The sub-expression a NotDifferentiable names, in the mod's own terms."""
+    return f"`{_UserText().doprint(err.part)}`"
 
 
 def feature_code(traced: TracedMod | None, with_grad: bool) -> tuple:
@@ -67,7 +67,7 @@ def feature_code(traced: TracedMod | None, with_grad: bool) -> tuple:
     except NotDifferentiable as err:
         raise GradientError(
             f"feature_map '{traced.name}': its derivative cannot be computed: {err.reason} "
-            f"({_names(traced, err)}). Fix: keep floor / ceil / sign / integer casts off x, or run "
+            f"({_user_text(err)}). Fix: keep floor / ceil / sign / integer casts off x, or run "
             "without gradients for query and key") from None
     try:
         joint = print_joint([lowered.expr, d], "f_")
@@ -94,7 +94,7 @@ def decay_grad(traced: TracedMod, grad_slots: tuple) -> DecayGrad:
             raise GradientError(
                 f"decay_mod '{traced.name}': the gradient with respect to captured{slot} (shape "
                 f"{list(traced.buffers[slot].shape)}, requires_grad=True) cannot be computed: "
-                f"{err.reason} ({_names(traced, err)}). Fix: index with integer positions only "
+                f"{err.reason} ({_user_text(err)}). Fix: index with integer positions only "
                 "and keep the loaded value off floor / ceil / sign / integer casts, or pass the "
                 "tensor .detach()-ed if it should not be trained") from None
         if d != 0:

@@ -29,7 +29,7 @@ import torch
 from ..codegen.spec import tma_addressable
 from ..runtime import launch, tuning
 from ..runtime.poison import poison
-from .backward import FIXED_POINT, _lists, _pick
+from .backward import run_backward
 from .decode import constant, run_decode
 from .forward import broadcast_lists
 
@@ -69,47 +69,10 @@ def run_sigmoid(plan, query, key, value, score_buffers, mask_buffers, block_list
 
 def run_sigmoid_backward(bw, plan, query, key, value, grad_out, score_buffers, mask_buffers,
                          block_lists, bias: float, needs_kv: bool = True):
-    """(dq, dk, dv, buffer gradients) of one call; dk, dv are None unless ``needs_kv``.
-
-    As ``flexgen.kernels.backward.run_backward``: buffer gradients in slot order (None where
-    a slot gets none) in each buffer's dtype, a batch-1 key / value's gradient summed over
-    the rows, the pointer kernels for tensors TMA cannot address.
-    """
-    device = query.device
-    B, H = query.shape[:2]
-    shared_kv = key.shape[0] != B
-    if shared_kv:
-        key, value = key.expand(B, *key.shape[1:]), value.expand(B, *value.shape[1:])
-    dq = torch.empty_like(query, memory_format=torch.contiguous_format)
-    dk = dv = None
-    if needs_kv:
-        dk = torch.empty(key.shape, dtype=key.dtype, device=device)
-        dv = torch.empty(value.shape, dtype=value.dtype, device=device)
-    poison(dq, dk, dv)
-    grad_dtype = torch.int64 if bw.dq.deterministic else torch.float32
-    grads = [torch.zeros(score_buffers[i].shape, dtype=grad_dtype, device=device)
-             for i in bw.grad_slots]
-    kv_sparse = q_sparse = None
-    if plan.mask_info is not None:
-        kv_sparse = _lists(block_lists[:4], B, H, plan.mask_info.block_size)
-        q_sparse = _lists(block_lists[4:], B, H, plan.mask_info.block_size)
-    common = dict(q=query, k=key, v=value, out=None, dout=grad_out, lse=None, dlse=None, delta=None,
-                  dq=dq, dk=dk, dv=dv, score_buffers=score_buffers, mask_buffers=mask_buffers,
-                  scale=plan.scale, bias=bias)
-    dq_spec, dkdv_spec = _pick(bw, (query, key, value, grad_out, dq, dk, dv), query.dtype)
-    launch.run(dq_spec, device, dict(common, sparse=kv_sparse, grad_buffers=grads),
-               tune_blocks=bw.tune_blocks)
-    if needs_kv:
-        launch.run(dkdv_spec, device, dict(common, sparse=q_sparse, grad_buffers=()),
-                   tune_blocks=bw.tune_blocks)
-        if shared_kv:
-            dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
-    buffer_grads = [None] * len(score_buffers)
-    for slot, g in zip(bw.grad_slots, grads):
-        if bw.dq.deterministic:
-            g = g.to(torch.float64) / FIXED_POINT
-        buffer_grads[slot] = g.to(score_buffers[slot].dtype)
-    return dq, dk, dv, buffer_grads
+    """(dq, dk, dv, buffer gradients) of one call: ``flexgen.kernels.backward.run_backward``
+    with the sigmoid kernels (no output, LSE or delta to read)."""
+    return run_backward(bw, plan, query, key, value, None, None, grad_out, None, score_buffers,
+                        mask_buffers, block_lists, needs_kv, bias=bias)
 
 
 __all__ = ["run_sigmoid", "run_sigmoid_backward"]
