@@ -248,3 +248,42 @@ def test_snapshot_files_are_there():
     folder = Path(__file__).parent / "snapshots" / "test_sigmoid"
     assert {p.name for p in folder.glob("*.py.txt")} == {
         f"test_kernel_source_snapshot[{case}].py.txt" for case in SNAPSHOTS}
+
+
+def test_a_repeated_call_replays_only_with_the_same_captured_tensors_and_lists(monkeypatch):
+    """On a GPU a repeated call relaunches its kernel with new Q, K, V, OUT only; a call with the
+    same shapes but another bias value, captured tensor or block mask launches anew (a fake
+    compiled kernel stands in for the GPU here)."""
+    from flexgen.runtime import launch
+    from flexgen.runtime import plan as P
+    from flexgen.kernels import sigmoid as S
+    monkeypatch.setattr(launch, "RECORDED", None)
+    monkeypatch.setattr(P, "_SIGMOID", {})
+    launched, replayed = [], []
+
+    class FakeReplay:
+        def __call__(self, *tensors):
+            replayed.append(tensors)
+            return True
+
+    def fake_run(spec, device, inputs, tune_blocks=None, replay=0):
+        launched.append(inputs)
+        return FakeReplay()
+    monkeypatch.setattr(S.launch, "run", fake_run)
+
+    def factory(table):
+        def biased(score, b, h, q_idx, kv_idx):
+            return score + table[h]
+        return biased
+
+    q, k, v = _qkv(1, 2, 2, 64, 64, 16)
+    t1, t2 = torch.randn(2), torch.randn(2)
+    docs = [M.document_mask(M.doc_ids_from_lengths(n)) for n in ([30, 34], [50, 14])]
+    masks = [create_block_mask(d, 1, None, 64, 64, device="cpu", BLOCK_SIZE=32) for d in docs]
+    calls = [(t1, masks[0], -1.0), (t1, masks[0], -1.0), (t2, masks[0], -1.0), (t2, masks[1], -1.0),
+             (t2, masks[1], -2.0), (t2, masks[1], -2.0)]
+    for table, mask, bias in calls:
+        sigmoid_attention(q, k, v, score_mod=factory(table), block_mask=mask, bias=bias,
+                          kernel_options=TILES)
+    assert len(launched) == 4 and len(replayed) == 2
+    assert launched[1]["score_buffers"][0] is t2 and launched[2]["sparse"][1] is not launched[1]["sparse"][1]

@@ -54,16 +54,20 @@ def run_sigmoid(plan, query, key, value, score_buffers, mask_buffers, block_list
     spec = plan.spec
     if spec.use_tma and not all(map(tma_addressable, (query, key, value, out))):
         spec = plan.pointer_spec
-    # A repeated call (same plan, same bias) relaunches with its new Q, K, V and OUT only.
+    # A repeated call relaunches with its new Q, K, V and OUT only, when everything else the
+    # launch passed is the same: the plan fixes shapes and strides, not the bias nor which
+    # captured tensors and block lists (a new document mask has the same shapes). The Replay
+    # holds those tensors, so their ids are not reused while it lives.
+    same = (bias, *map(id, score_buffers), None, *map(id, mask_buffers), None, *map(id, block_lists[:4]))
     replay = plan.replay[0]
-    if (replay is not None and replay[0] == bias and spec is plan.spec and not tuning.needs_lookup()
+    if (replay is not None and replay[0] == same and spec is plan.spec and not tuning.needs_lookup()
             and replay[1](query, key, value, out)):
         return out
     launched = launch.run(spec, device, dict(
         q=query, k=key, v=value, out=out, lse=None, sparse=sparse, score_buffers=score_buffers,
         mask_buffers=mask_buffers, scale=plan.scale, bias=bias), tune_blocks=plan.tune_blocks, replay=4)
     if spec is plan.spec:
-        plan.replay[0] = None if launched is None else (bias, launched)
+        plan.replay[0] = None if launched is None else (same, launched)
     return out
 
 
