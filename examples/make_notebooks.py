@@ -604,11 +604,172 @@ block_mask.plot()
 """),
 ]
 
+WITHOUT_SOFTMAX = [
+    md("""
+# 05 · Attention without softmax
+
+Softmax is one choice of how a query spreads its weight over the keys. The same
+generator builds two others, from the same kind of small traced functions:
+
+1. **sigmoid attention**, `flexgen.sigmoid_attention`: every weight is
+   `sigmoid(score + bias)` on its own, with no normalization over the row. Every
+   `score_mod` and block mask of `flex_attention` works unchanged; the kernel is
+   the softmax kernel without its running max, row sum and rescaling.
+2. **decayed linear attention**, `flexgen.linear_attention`: no score matrix at
+   all, but a `[Dk, Dv]` state per head carried along the sequence,
+   `S_t = exp(g_t) S_{t-1} + φ(k_t)ᵀ v_t` and `o_t = scale · φ(q_t) S_t`. The
+   log-decay `g` is a **decay_mod** `(b, h, t) -> float` (a constant per head:
+   lightning attention / retention; a captured per-token tensor: gated linear
+   attention) and `φ` a **feature_map** `x -> float`. It runs in chunks (work
+   linear in the length), and a few tokens at a time from a cache of states.
+
+Each result is checked against `flexgen.reference`, which computes the
+definitions in float64 (the linear one step by step). On a CPU the kernels run
+under the Triton interpreter, so the sizes are small.
+"""),
+    code("""
+import torch
+import torch.nn.functional as F
+
+import flexgen
+from flexgen import create_block_mask, linear_attention, sigmoid_attention
+from flexgen import mods as M
+from flexgen.reference import linear_attention_reference, sigmoid_attention_reference
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+torch.manual_seed(0)
+B, H, L, D = 1, 2, 64, 32
+q, k, v = (torch.randn(B, H, L, D, device=device) for _ in range(3))
+
+def check(got, want, tol=1e-4):
+    torch.testing.assert_close(got.double(), want.double(), atol=tol, rtol=tol)
+    return "matches the float64 reference"
+"""),
+    md("""
+## Sigmoid attention: the softmax call with another activation
+
+`bias` defaults to `-log(L)`, which keeps the weights of a row summing to about
+one at initialization. A causal mask and a soft-capping `score_mod` are the very
+same objects `flex_attention` takes.
+"""),
+    code("""
+causal = create_block_mask(M.causal_mask, None, None, L, L, device=device, BLOCK_SIZE=32)
+softcap = M.tanh_softcap(20.0)
+out = sigmoid_attention(q, k, v, score_mod=softcap, block_mask=causal)
+print(check(out, sigmoid_attention_reference(q, k, v, softcap, causal)))
+
+# Nothing normalizes a row: a row whose keys are all masked out is exactly zero.
+late = create_block_mask(M.causal(-8), None, None, L, L, device=device, BLOCK_SIZE=32)
+out = sigmoid_attention(q, k, v, block_mask=late)
+print("rows 0-7:", out[0, 0, :8].abs().max().item(), "| row 8:", out[0, 0, 8].abs().max().item())
+"""),
+    md("""
+The generated kernel keeps the block-sparse loop and the mod code; where softmax
+keeps a running maximum and rescales its accumulator, the sigmoid kernel adds
+each weight in directly. The lines that compute the weights, side by side:
+"""),
+    code("""
+def weight_lines(source, start, stop):
+    lines = source.split("\\n")
+    first = next(i for i, line in enumerate(lines) if start in line)
+    last = next(i for i in range(first, len(lines)) if stop in lines[i])
+    return "\\n".join(lines[first:last + 1])
+
+softmax_src = flexgen.kernel_source(q, k, v, score_mod=softcap, block_mask=causal)
+sigmoid_src = flexgen.sigmoid_kernel_source(q, k, v, score_mod=softcap, block_mask=causal)
+print("softmax:\\n" + weight_lines(softmax_src, "score = qk * SM_SCALE", "m_i = m_new"))
+print("\\nsigmoid:\\n" + weight_lines(sigmoid_src, "score = qk * SM_SCALE", "acc = _dot"))
+"""),
+    md("""
+## Decayed linear attention: a decay_mod and a feature_map
+
+A decay_mod returns the log-decay `g <= 0` of query head `h` at position `t`.
+Three of them, and the classic `elu(x) + 1` feature map:
+"""),
+    code("""
+slopes = torch.tensor([0.5, 0.05], device=device)
+
+def lightning(b, h, t):                 # a constant per head: lightning attention, retention
+    return -slopes[h]
+
+gates = F.logsigmoid(torch.randn(B, H, L, device=device) + 2.0)
+
+def gated(b, h, t):                     # one gate per token: gated linear attention
+    return gates[b, h, t]
+
+def elu1(x):                            # the feature map, on every entry of q and k
+    return F.elu(x) + 1
+
+for name, decay in (("no decay", None), ("lightning", lightning), ("gated", gated)):
+    out = linear_attention(q, k, v, decay_mod=decay, feature_map=elu1)
+    want = linear_attention_reference(q, k, v, decay_mod=decay, feature_map=elu1)
+    print(f"{name:10s}", check(out, want, tol=1e-3 * want.abs().max().item()))
+"""),
+    md("""
+The mods become a few lines of the generated kernels, like a score_mod does. In
+the chunked forward's output kernel: the decay, folded in through running sums
+within each chunk (every exponent is a difference `G_i - G_j <= 0`), and the
+feature map on the query tile:
+"""),
+    code("""
+source = flexgen.linear_kernel_source(q, k, v, decay_mod=gated, feature_map=elu1, part="output")
+print(weight_lines(source, "# g = decay_mod", "g_chunk = "))
+print(weight_lines(source, "x = q.to(tl.float32)", "qf = tl.where"))
+print(weight_lines(source, "o = o * tl.exp(G)", "a = tl.where"))
+"""),
+    md("""
+## Prefill in chunks, then decode from a cache of states
+
+A serving loop keeps one state per sequence slot. `linear_attention` with
+`output_final_state=True` returns the state after a prompt;
+`linear_attention_decode` advances the states of the batch's slots in place, a
+token at a time. Together they give what one long call gives. (Positions `t`
+count from the start of each call, so the gates are sliced to match.)
+"""),
+    code("""
+prompt = 48
+first, state = linear_attention(q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt],
+                                decay_mod=lambda b, h, t: gates[b, h, t], feature_map=elu1,
+                                output_final_state=True)
+cache = torch.zeros(4, H, D, D, device=device)     # 4 slots; this sequence lives in slot 2
+cache[2] = state[0]
+outs = [first]
+for t in range(prompt, L):
+    step_gates = gates[:, :, t:t + 1]
+    outs.append(flexgen.linear_attention_decode(
+        q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], cache, [2],
+        decay_mod=lambda b, h, t: step_gates[b, h, t], feature_map=elu1))
+whole = linear_attention_reference(q, k, v, decay_mod=gated, feature_map=elu1)
+print(check(torch.cat(outs, 2), whole, tol=1e-3 * whole.abs().max().item()))
+"""),
+    md("""
+## Gradients, the gates' included
+
+The backward runs in chunks too. Captured tensors of the decay_mod that require
+grad (learned gates, learned slopes) get their gradients, and the feature map's
+derivative comes from sympy, as a score_mod's does.
+"""),
+    code("""
+learned = gates.clone().requires_grad_()
+qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+def learned_gates(b, h, t):
+    return learned[b, h, t]
+
+out = linear_attention(qg, kg, vg, decay_mod=learned_gates, feature_map=elu1)
+grads = torch.autograd.grad(out.sum(), [qg, kg, vg, learned])
+want = torch.autograd.grad(
+    linear_attention_reference(qg, kg, vg, learned_gates, elu1).sum(), [qg, kg, vg, learned])
+for name, a, b in zip(["q", "k", "v", "gates"], grads, want):
+    print(f"d{name:6s}", check(a, b, tol=1e-3 * b.abs().max().item()))
+"""),
+]
+
 NOTEBOOKS = {
     "01_quickstart": QUICKSTART,
     "02_write_your_own_mod": OWN_MOD,
     "03_mask_gallery": _gallery_cells(),
     "04_composing_variants": COMPOSING,
+    "05_attention_without_softmax": WITHOUT_SOFTMAX,
 }
 
 

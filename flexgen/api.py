@@ -331,5 +331,186 @@ def decode_kernel_source(query, key, value, score_mod=None, block_mask=None, sca
     return source(plan.spec)
 
 
+# ---------------------------------------------------------------------------------- sigmoid attention
+
+def check_bias(bias, kv_len) -> float:
+    """The sigmoid's bias: ``bias`` itself, or -log(KV_LEN) for None."""
+    if bias is None:
+        return -math.log(max(1, kv_len))
+    if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not math.isfinite(bias):
+        raise reported(expected("bias", "a finite float or None (-log(KV_LEN))", repr(bias),
+                                "pass a Python float"))
+    return float(bias)
+
+
+def sigmoid_attention(query, key, value, score_mod=None, block_mask=None, scale=None, bias=None,
+                      enable_gqa=False, kernel_options=None):
+    """Sigmoid attention: ``out_i = Σ_j keep_ij · sigmoid(score_mod(q_i·k_j · scale) + bias) · v_j``.
+
+    The same call as ``flex_attention`` with the softmax replaced by an elementwise sigmoid
+    and no row normalization: query ``[B, Hq, Lq, D]``, key ``[B or 1, Hkv, Lkv, D]``, value
+    ``[B or 1, Hkv, Lkv, Dv]`` (fp16, bf16 or fp32; D and Dv from 16 to 256; GQA with
+    ``enable_gqa=True``); every score_mod and block mask ``flex_attention`` takes works here
+    (the same generated loops skip the same blocks). ``scale`` defaults to 1/sqrt(D),
+    ``bias`` (a float, a runtime argument of the kernel) to ``-log(Lkv)``, which keeps the
+    sum of the weights near one at initialization. A fully masked row is exactly 0.
+    Returns ``out [B, Hq, Lq, Dv]`` in the query's dtype and stride order; a few queries per
+    sequence (Lq <= 16) take the split-K decode kernel.
+
+    Differentiable: gradients flow to query, key, value and to floating tensors the
+    score_mod captures that require grad. One ``torch.ops.flexgen.sigmoid_attention`` op
+    per call (its backward one more), so torch.compile(fullgraph=True) takes it as is.
+    """
+    _tensors(query=query, key=key, value=value)
+    score_mod, score_buffers, mask_mod, mask_buffers, lists, block_size, lengths = _mods(
+        score_mod, block_mask)
+    return ops.call_sigmoid_attention(
+        query, key, value, score_buffers, mask_buffers, lists, score_mod, mask_mod, block_size, lengths,
+        check_scale(scale, query.shape[-1]), check_bias(bias, key.shape[2]), bool(enable_gqa),
+        parse_options(kernel_options).text)
+
+
+def sigmoid_kernel_source(query, key, value, score_mod=None, block_mask=None, scale=None,
+                          enable_gqa=False, kernel_options=None, part="forward") -> str:
+    """The generated module source ``sigmoid_attention`` would run for these arguments:
+    ``part`` "forward" (the forward kernel, or the decode kernel for a few queries), "dq" or
+    "dkdv" (the backward's two kernels). Nothing is launched."""
+    from .runtime.plan import plan_sigmoid, plan_sigmoid_backward
+    from .kernels.backward import grad_slots
+    if part not in ("forward", "dq", "dkdv"):
+        raise expected("part", '"forward", "dq" or "dkdv"', repr(part), "pick one of the three kernels")
+    _tensors(query=query, key=key, value=value)
+    score_mod, score_buffers, mask_mod, mask_buffers, lists, block_size, lengths = _mods(
+        score_mod, block_mask)
+    args = (query, key, value, score_mod, score_buffers, mask_mod, mask_buffers, lists, block_size,
+            lengths, check_scale(scale, query.shape[-1]), bool(enable_gqa),
+            parse_options(kernel_options).text)
+    plan = plan_sigmoid(*args)
+    if part == "forward":
+        return source(plan.spec if plan.kernel == "forward" else plan.decode.spec)
+    bw = plan_sigmoid_backward(*args, grad_slots(score_buffers))
+    return source(bw.dq if part == "dq" else bw.dkdv)
+
+
+# ---------------------------------------------------------------------------------- linear attention
+
+def _linear_mods(decay_mod, feature_map):
+    decay = None if decay_mod is None else trace_cached(decay_mod, "decay_mod")
+    feature = None if feature_map is None else trace_cached(feature_map, "feature_map")
+    return ("" if decay is None else decay.graph, () if decay is None else decay.buffers,
+            "" if feature is None else feature.graph, () if feature is None else feature.buffers)
+
+
+def _state_arg(name, state):
+    """``initial_state`` as the kernels read it: float32, contiguous (autograd follows the copy)."""
+    if state is None:
+        return None
+    if not isinstance(state, torch.Tensor) or not state.dtype.is_floating_point:
+        got = f"dtype {state.dtype}" if isinstance(state, torch.Tensor) else type(state).__name__
+        raise reported(expected(name, "a floating tensor [B, H, Dk, Dv] (kept in float32)", got,
+                                f"pass {name} as a float32 tensor"))
+    return state.to(torch.float32).contiguous()
+
+
+def linear_attention(query, key, value, decay_mod=None, feature_map=None, scale=None,
+                     initial_state=None, output_final_state=False, enable_gqa=False,
+                     kernel_options=None):
+    """Causal linear attention with a scalar decay per head and position, in chunked kernels.
+
+    ``S_t = exp(g_t) · S_{t-1} + φ(k_t)ᵀ v_t`` and ``o_t = scale · φ(q_t) S_t``, with
+    ``g_t = decay_mod(b, h, t)`` (a log-decay <= 0; None: 0, plain causal linear attention)
+    and ``φ = feature_map(x)`` (elementwise on the query and key entries; None: identity).
+    A constant per head (``-slopes[h]``) is lightning attention / retention; a captured
+    per-token tensor (``gates[b, h, t]``) a gated linear attention; ``torch.where(x > 0, x + 1,
+    torch.exp(x))`` (or ``F.elu(x) + 1``) the classic feature map. Both mods are traced like a
+    score_mod, and their captured tensors are kernel arguments.
+
+    query ``[B, Hq, T, Dk]``, key ``[B, Hkv, T, Dk]``, value ``[B, Hkv, T, Dv]`` (fp16, bf16 or
+    fp32; head dims 16 to 256; Hq a multiple of Hkv with ``enable_gqa=True``: ``h`` in the mods
+    and the state's head axis are query heads). ``t`` counts positions within the call: a
+    caller continuing a sequence passes the matching slice of its gates. ``scale`` defaults to
+    1/sqrt(Dk). ``initial_state`` ``[B, Hq, Dk, Dv]`` (float32; zeros for None). Returns ``out``
+    ``[B, Hq, T, Dv]`` in the query's dtype, and with ``output_final_state`` also the final state
+    ``[B, Hq, Dk, Dv]`` float32. ``kernel_options``: BLOCK_M is the chunk size (default 64),
+    BLOCK_N the value-dim slice, num_warps / num_stages, BACKEND "TRITON" (always chunked) or
+    "TRITON_DECODE" (always the recurrent kernel).
+
+    The prefill runs in chunks (O(T·C) per head): chunk states in parallel, a scan over the
+    chunks, then the outputs in parallel; a short call (T <= 16) with an ``initial_state``
+    runs the recurrent decode kernel. Differentiable with respect to query, key, value,
+    ``initial_state`` and floating tensors the decay_mod captures that require grad (the
+    gates); the feature map's derivative is derived symbolically. One
+    ``torch.ops.flexgen.linear_attention`` op per call.
+    """
+    _tensors(query=query, key=key, value=value)
+    decay_text, decay_buffers, feature_text, feature_buffers = _linear_mods(decay_mod, feature_map)
+    out, state = ops.call_linear_attention(
+        query, key, value, _state_arg("initial_state", initial_state), decay_buffers, feature_buffers,
+        decay_text, feature_text, check_scale(scale, query.shape[-1]), bool(enable_gqa),
+        bool(output_final_state), parse_options(kernel_options).text)
+    return (out, state) if output_final_state else out
+
+
+def linear_attention_decode(query, key, value, state, slots, decay_mod=None, feature_map=None, scale=None,
+                            enable_gqa=False, kernel_options=None):
+    """A few decoding steps of ``linear_attention`` for a batch of sequences whose states live in a
+    cache: the serving layout.
+
+    ``state`` ``[num_slots, Hq, Dk, Dv]`` float32 holds one state per sequence slot; batch row
+    ``b`` continues the sequence in slot ``slots[b]`` (an int, a list of B ints or an integer
+    tensor [B]; distinct slots), whose state is updated in place by the call's T positions
+    (query ``[B, Hq, T, Dk]``, key ``[B, Hkv, T, Dk]``, value ``[B, Hkv, T, Dv]``, T usually 1).
+    The mods see ``b`` (the batch row), ``h`` (the query head) and ``t`` from 0 for the call's
+    first position. Returns ``out`` ``[B, Hq, T, Dv]`` in the query's dtype. No autograd.
+    """
+    _tensors(query=query, key=key, value=value)
+    if not isinstance(state, torch.Tensor) or state.dtype != torch.float32:
+        got = f"dtype {state.dtype}" if isinstance(state, torch.Tensor) else type(state).__name__
+        raise reported(expected("state", "a float32 tensor [num_slots, H, Dk, Dv] (updated in place)",
+                                got, "keep the state cache in float32"))
+    B = query.shape[0]
+    slots = _lengths_arg("slots", slots, B, query.device, "pass one slot per batch row")
+    host = _host_ints(slots, B)
+    if host is not None and state.dim() == 4 and (min(host) < 0 or max(host) >= state.shape[0]):
+        raise reported(expected("slots", f"rows of the state cache, 0 to {state.shape[0] - 1}",
+                                f"{min(host)} .. {max(host)}", "allocate a larger cache"))
+    if host is not None and len(set(host)) != len(host) and B > 1:
+        raise reported(expected("slots", "distinct slots (each row updates its own state)", host,
+                                "give each batch row its own slot"))
+    decay_text, decay_buffers, feature_text, feature_buffers = _linear_mods(decay_mod, feature_map)
+    return ops.call_linear_attention_decode(
+        query, key, value, state, slots, list(decay_buffers), list(feature_buffers), decay_text,
+        feature_text, check_scale(scale, query.shape[-1]), bool(enable_gqa),
+        parse_options(kernel_options).text)
+
+
+LINEAR_PARTS = ("state", "scan", "output", "decode", "grad", "gates")
+
+
+def linear_kernel_source(query, key, value, decay_mod=None, feature_map=None, scale=None,
+                         initial_state=None, enable_gqa=False, kernel_options=None, part="output") -> str:
+    """The generated module source of one of ``linear_attention``'s kernels for these arguments:
+    ``part`` "state", "scan", "output" (the chunked forward), "decode" (the recurrent kernel),
+    "grad" or "gates" (the backward; "gates" for a decay_mod whose captured tensors require
+    grad). Nothing is launched."""
+    from .runtime.plan import plan_linear, plan_linear_backward
+    from .kernels.backward import grad_slots
+    if part not in LINEAR_PARTS:
+        raise expected("part", " / ".join(map(repr, LINEAR_PARTS)), repr(part), "pick one of the kernels")
+    _tensors(query=query, key=key, value=value)
+    decay_text, decay_buffers, feature_text, feature_buffers = _linear_mods(decay_mod, feature_map)
+    plan = plan_linear(query, key, value, _state_arg("initial_state", initial_state), decay_text,
+                       decay_buffers, feature_text, feature_buffers, check_scale(scale, query.shape[-1]),
+                       bool(enable_gqa), parse_options(kernel_options).text)
+    if part in ("grad", "gates"):
+        bw = plan_linear_backward(plan, grad_slots(decay_buffers))
+        if part == "gates" and bw.gates is None:
+            raise expected("decay_mod", "captured tensors that require grad (for the gates kernel)",
+                           "none", "pass gates with requires_grad=True")
+        return source(bw.grad if part == "grad" else bw.gates)
+    return source(getattr(plan, part))
+
+
 __all__ = ["flex_attention", "plan", "kernel_source", "decode_attention", "decode_kernel_source",
-           "AuxRequest", "AuxOutput", "check_scale"]
+           "AuxRequest", "AuxOutput", "check_scale", "sigmoid_attention", "sigmoid_kernel_source",
+           "check_bias", "linear_attention", "linear_attention_decode", "linear_kernel_source"]

@@ -71,3 +71,81 @@ def flex_attention_reference(query, key, value, score_mod=None, mask_mod=None, s
     probs = probs.masked_fill(dead[..., None], 0.0)
     out = probs @ v
     return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------- beyond softmax
+
+def sigmoid_attention_reference(query, key, value, score_mod=None, mask_mod=None, scale=None,
+                                bias=None, enable_gqa=False, dtype=torch.float64):
+    """``Σ_j keep_ij · sigmoid(score_mod(q·k · scale) + bias) · v_j`` computed densely in ``dtype``.
+
+    Shapes as ``flex_attention_reference``; ``bias`` defaults to ``-log(Lkv)``. No row
+    normalization: a fully masked row is exactly zero. ``mask_mod`` may be a ``BlockMask``.
+    """
+    if mask_mod is not None and hasattr(mask_mod, "mask_mod") and hasattr(mask_mod, "kv_indices"):
+        mask_mod = mask_mod.mask_mod
+    B, Hq, Lq, D = query.shape
+    Hkv, Lkv = key.shape[1], key.shape[2]
+    q, k, v = (t.to(dtype) for t in (query, key, value))
+    if Hq != Hkv:
+        if not enable_gqa:
+            raise ValueError("query and key head counts differ; pass enable_gqa=True")
+        k = k.repeat_interleave(Hq // Hkv, dim=1)
+        v = v.repeat_interleave(Hq // Hkv, dim=1)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    bias = -math.log(Lkv) if bias is None else bias
+    scores = (q @ k.transpose(-1, -2)) * scale
+    b, h, qi, kvi = index_grids(B, Hq, Lq, Lkv, query.device)
+    if score_mod is not None:
+        scores = score_mod(scores, b, h, qi, kvi)
+        scores = torch.as_tensor(scores, device=query.device).to(dtype).expand(B, Hq, Lq, Lkv)
+    weights = torch.sigmoid(scores + bias)
+    if mask_mod is not None:
+        keep = dense_mask(mask_mod, B, Hq, Lq, Lkv, query.device)
+        weights = weights.masked_fill(~keep, 0.0)
+    return weights @ v
+
+
+def decay_values(decay_mod, B: int, H: int, T: int, device, dtype=torch.float64) -> torch.Tensor:
+    """``decay_mod(b, h, t)`` on every (batch row, query head, position): ``[B, H, T]`` in ``dtype``
+    (zeros for None)."""
+    if decay_mod is None:
+        return torch.zeros(B, H, T, dtype=dtype, device=device)
+    ar = lambda n, dim: torch.arange(n, device=device, dtype=torch.int32).view(  # noqa: E731
+        [n if d == dim else 1 for d in range(3)])
+    g = decay_mod(ar(B, 0), ar(H, 1), ar(T, 2))
+    return torch.as_tensor(g, device=device).to(dtype).expand(B, H, T)
+
+
+def linear_attention_reference(query, key, value, decay_mod=None, feature_map=None, scale=None,
+                               initial_state=None, output_final_state=False, enable_gqa=False,
+                               dtype=torch.float64):
+    """Decayed causal linear attention, one position at a time, in ``dtype``.
+
+    ``S_t = exp(g_t) S_{t-1} + φ(k_t)ᵀ v_t`` and ``o_t = scale · φ(q_t) S_t`` with
+    ``g_t = decay_mod(b, h, t)`` (0 for None), ``φ = feature_map`` (identity for None),
+    ``scale`` 1/sqrt(Dk) by default. query ``[B, Hq, T, Dk]``, key ``[B, Hkv, T, Dk]``, value
+    ``[B, Hkv, T, Dv]``, ``initial_state`` ``[B, Hq, Dk, Dv]`` (zeros for None). Differentiable
+    (the tests take torch autograd through it). Returns ``out`` ``[B, Hq, T, Dv]`` in ``dtype``,
+    and the final state ``[B, Hq, Dk, Dv]`` with ``output_final_state``.
+    """
+    B, Hq, T, Dk = query.shape
+    Hkv, Dv = key.shape[1], value.shape[3]
+    q, k, v = (t.to(dtype) for t in (query, key, value))
+    if Hq != Hkv:
+        if not enable_gqa:
+            raise ValueError("query and key head counts differ; pass enable_gqa=True")
+        k = k.repeat_interleave(Hq // Hkv, dim=1)
+        v = v.repeat_interleave(Hq // Hkv, dim=1)
+    if feature_map is not None:
+        q, k = feature_map(q), feature_map(k)
+    scale = 1.0 / math.sqrt(Dk) if scale is None else scale
+    g = decay_values(decay_mod, B, Hq, T, query.device, dtype)
+    state = (torch.zeros(B, Hq, Dk, Dv, dtype=dtype, device=query.device) if initial_state is None
+             else initial_state.to(dtype))
+    outs = []
+    for t in range(T):
+        state = torch.exp(g[..., t])[..., None, None] * state + k[..., t, :, None] * v[..., t, None, :]
+        outs.append(scale * (q[..., t, None, :] @ state)[..., 0, :])
+    out = torch.stack(outs, 2) if outs else q.new_zeros(B, Hq, 0, Dv)
+    return (out, state) if output_final_state else out

@@ -27,7 +27,7 @@ nbclient = pytest.importorskip("nbclient")
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 NOTEBOOKS = sorted(EXAMPLES.glob("*.ipynb"))
 EXPECTED = ["01_quickstart.ipynb", "02_write_your_own_mod.ipynb", "03_mask_gallery.ipynb",
-            "04_composing_variants.ipynb"]
+            "04_composing_variants.ipynb", "05_attention_without_softmax.ipynb"]
 
 
 def python_kernel():

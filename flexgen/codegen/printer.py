@@ -9,6 +9,7 @@ captured buffers become statements with bounds-checked, wrapped indices.
 
 The snippet uses the names the template binds: ``score`` (float32 tile),
 ``b``, ``h`` (scalars), ``q_idx`` (column vector), ``kv_idx`` (row vector),
+``t`` (positions) and ``x`` (float32 entries) in the linear-attention kernels,
 and per buffer ``{name}_ptr``, ``{name}_size{d}``, ``{name}_stride{d}``.
 """
 from __future__ import annotations
@@ -89,7 +90,7 @@ class TritonPrinter:
     def _print_Symbol(self, e):
         if e in self.names:
             return self.names[e], self.kinds[e]
-        return e.name, ("float" if e.name == "score" else "int")
+        return e.name, ("int" if e.is_integer else "float")   # score, x: float; indices, t: int
 
     def _print_Integer(self, e):
         return str(int(e)), "int"

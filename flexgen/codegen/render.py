@@ -25,7 +25,11 @@ def _environment() -> jinja2.Environment:
 def spec_comment(spec: KernelSpec) -> str:
     """A comment block at the top of the module saying what it computes."""
     lines = [f"# key: {spec.key}", f"# dtype: {spec.dtype}, head dims: qk={spec.qk_head} v={spec.v_head}"]
-    for label, snippet in (("score_mod", spec.score), ("mask_mod", spec.mask)):
+    if spec.activation != "softmax":
+        lines.append(f"# activation: {spec.activation}")
+    for label, snippet in (("score_mod", spec.score), ("mask_mod", spec.mask),
+                           ("decay_mod", getattr(spec, "decay", None)),
+                           ("feature_map", getattr(spec, "feature", None))):
         if snippet is not None:
             lines.append(f"# {label}: {snippet.result}")
     return "\n".join(lines)

@@ -19,9 +19,10 @@ import triton
 from .. import __version__
 from ..codegen.printer import Snippet
 
+# (The sigmoid activation left the softmax kernels' sources as they were: no new versions.)
 TEMPLATE_VERSIONS = {"forward": 4, "block_mask": 1,
                      "decode": 1, "decode_merge": 1, "paged_write": 1,
-                     "backward": 4}
+                     "backward": 4, "linear": 1, "linear_decode": 1}
 
 
 def pad_head_dim(d: int) -> int:
@@ -54,6 +55,9 @@ class KernelSpec:
     num_stages: int = 1
     dot_precision: str = "ieee"
     use_tma: bool = False          # forward, backward: the [B, H, L, D] tensors through TMA descriptors
+    # forward, backward, decode, decode_merge: "softmax" (flex_attention) or "sigmoid"
+    # (sigmoid_attention: each weight sigmoid(z + bias) on its own, no row normalization).
+    activation: str = "softmax"
     flexgen_version: str = __version__
     triton_version: str = triton.__version__
 

@@ -27,7 +27,11 @@ from .trace import Node, TracedMod
 SCORE = sympy.Symbol("score", real=True)
 INDEX_SYMBOLS = {n: sympy.Symbol(n, integer=True, nonnegative=True)
                  for n in ("b", "h", "q_idx", "kv_idx")}
-SYMBOLS = {"score": SCORE, **INDEX_SYMBOLS}
+# The linear-attention mods' arguments: a position ``t`` (decay_mod) and an entry ``x`` of
+# the query or key (feature_map).
+POSITION = sympy.Symbol("t", integer=True, nonnegative=True)
+FEATURE = sympy.Symbol("x", real=True)
+SYMBOLS = {"score": SCORE, **INDEX_SYMBOLS, "t": POSITION, "x": FEATURE}
 
 
 class Sigmoid(sympy.Function):

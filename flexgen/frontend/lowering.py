@@ -15,7 +15,7 @@ from ..frontend.expr import canonical_text, to_sympy
 from ..codegen.spec import BufferSig
 from ..frontend.trace import TracedMod
 
-PREFIX = {"score_mod": "s", "mask_mod": "m"}
+PREFIX = {"score_mod": "s", "mask_mod": "m", "decay_mod": "d", "feature_map": "f"}
 
 
 @dataclass(frozen=True)

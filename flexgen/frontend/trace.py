@@ -19,12 +19,12 @@ Every line carries the dtype torch would give the same computation, collapsed
 to three kinds the kernel computes in: ``b`` (bool), ``i`` (int32) and ``f``
 (float32). The program's lines::
 
-    var <kind> <name>              score, b, h, q_idx or kv_idx
+    var <kind> <name>              score, b, h, q_idx, kv_idx, t or x
     const <kind> <value>           a Python number
     load <kind> <slot> %i %j ...   captured buffer ``slot`` at the given indices
     <op> <kind> %a [%b [%c]]       an operation on earlier lines
     buffer <slot> <dtype> <ndim>   (last lines) each captured tensor's signature
-    program <kind> <name>          (first line) "score_mod" or "mask_mod", the mod's name
+    program <kind> <name>          (first line) "score_mod", "mask_mod", "decay_mod" or "feature_map", the mod's name
 """
 from __future__ import annotations
 
@@ -41,6 +41,13 @@ from ..errors import TraceError, reported
 
 SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
 MASK_ARGS = ("b", "h", "q_idx", "kv_idx")
+# The linear-attention mods: a log-decay per (batch, query head, position) and an
+# elementwise feature map of the query / key entries (flexgen.linear_attention).
+DECAY_ARGS = ("b", "h", "t")
+FEATURE_ARGS = ("x",)
+ARGS = {"score_mod": SCORE_ARGS, "mask_mod": MASK_ARGS, "decay_mod": DECAY_ARGS,
+        "feature_map": FEATURE_ARGS}
+FLOAT_ARGS = ("score", "x")
 
 DTYPE_OF_KIND = {"b": torch.bool, "i": torch.int32, "f": torch.float32}
 # A captured tensor's dtype -> the kind its loads compute in.
@@ -61,7 +68,7 @@ COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
 @dataclass(frozen=True)
 class TracedMod:
     """A traced mod: its program text and the captured tensors, in slot order."""
-    kind: str                  # "score_mod" or "mask_mod"
+    kind: str                  # "score_mod", "mask_mod", "decay_mod" or "feature_map"
     name: str                  # the mod's name, for messages
     graph: str                 # the program (see the module docstring)
     buffers: tuple             # captured tensors, in slot order
@@ -649,6 +656,7 @@ def _functions() -> dict:
         torch.Tensor.__neg__)
     add(lambda x, *a, **k: _unary("silu", x), F.silu, *aten_op("silu"))
     add(lambda x, *a, **k: _unary("relu", x), F.relu, torch.relu, torch.Tensor.relu, *aten_op("relu"))
+    add(_elu, F.elu, *aten_op("elu"))
     add(lambda x, *a, **k: _unary("not", x), torch.logical_not, torch.Tensor.logical_not,
         *aten_op("logical_not"))
     add(_invert, torch.bitwise_not, torch.Tensor.bitwise_not, torch.Tensor.__invert__,
@@ -717,6 +725,11 @@ def _functions() -> dict:
     table[operator.abs] = lambda x: _unary("abs", x)
     table[operator.invert] = _invert
     return table
+
+
+def _elu(x, alpha=1.0, *args, **kwargs):
+    """F.elu (the linear-attention feature map elu(x) + 1): x above 0, alpha * (exp(x) - 1) below."""
+    return _where(_binary("gt", x, 0.0), x, _binary("mul", alpha, _binary("sub", _unary("exp", x), 1.0)))
 
 
 def _getitem(tensor, index):
@@ -825,15 +838,16 @@ def _check_arity(mod, kind: str, names: tuple) -> None:
 
 
 def trace(mod, kind: str) -> TracedMod:
-    """Trace ``mod`` (``kind`` is "score_mod" or "mask_mod") into a ``TracedMod``."""
+    """Trace ``mod`` into a ``TracedMod``; ``kind`` ("score_mod", "mask_mod", "decay_mod" or
+    "feature_map") names its arguments (``ARGS``)."""
     if not callable(mod):
         raise reported(TraceError(f"{kind}: expected a callable, got {type(mod).__name__} ({mod!r}). "
                          f"Fix: pass a function, or None for no {kind}"))
-    names = SCORE_ARGS if kind == "score_mod" else MASK_ARGS
+    names = ARGS[kind]
     _check_arity(mod, kind, names)
     tracer = _Tracer(mod, kind)
-    proxies = [_proxy(tracer, f"var {'f' if n == 'score' else 'i'} {n}", "f" if n == "score" else "i")
-               for n in names]
+    proxies = [_proxy(tracer, f"var {'f' if n in FLOAT_ARGS else 'i'} {n}",
+                      "f" if n in FLOAT_ARGS else "i") for n in names]
     try:
         with _TraceMode():
             result = mod(*proxies)
@@ -861,6 +875,12 @@ def trace(mod, kind: str) -> TracedMod:
         raise reported(TraceError(
             f"score_mod '{tracer.name}': expected it to return a number (the new score), got a "
             "bool. Fix: to mask positions use a mask_mod, or torch.where(cond, score, -float('inf'))"))
+    if kind in ("decay_mod", "feature_map") and root._kind == "b":
+        what = "the log-decay g <= 0" if kind == "decay_mod" else "the feature phi(x)"
+        fix = ("return a float such as -slopes[h] or gates[b, h, t]" if kind == "decay_mod"
+               else "return a float expression of x, e.g. torch.where(x > 0, x + 1, torch.exp(x))")
+        raise reported(TraceError(f"{kind} '{tracer.name}': expected it to return a number ({what}), "
+                                  f"got a bool. Fix: {fix}"))
     lines = tracer.lines + [f"root {root._kind} %{root._node}"]
     for slot, t in enumerate(tracer.buffers):
         lines.append(f"buffer {slot} {DTYPE_NAMES[t.dtype]} {t.dim()}")

@@ -132,8 +132,11 @@ def _pick(bw: BackwardPlan, tensors, dtype) -> tuple:
 
 
 def run_backward(bw: BackwardPlan, plan, query, key, value, out, lse, grad_out, grad_lse,
-                 score_buffers, mask_buffers, block_lists, needs_kv: bool = True):
+                 score_buffers, mask_buffers, block_lists, needs_kv: bool = True, bias=None):
     """(dq, dk, dv, buffer gradients) for one call; dk, dv are None unless ``needs_kv``.
+
+    ``bias``: the sigmoid's bias, for sigmoid_attention's kernels (``flexgen.kernels.sigmoid``:
+    no ``out``, ``lse`` or ``grad_lse`` then, and no delta).
 
     Buffer gradients come back as a list in slot order (None where a slot gets none), in
     each buffer's dtype. A key / value of batch 1 shared by every query row gets its
@@ -147,9 +150,10 @@ def run_backward(bw: BackwardPlan, plan, query, key, value, out, lse, grad_out, 
         key, value = key.expand(B, *key.shape[1:]), value.expand(B, *value.shape[1:])
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    lse = lse.contiguous()
+    sigmoid = bias is not None
+    lse = None if sigmoid else lse.contiguous()
     dlse = None if grad_lse is None else grad_lse.to(torch.float32).contiguous()
-    delta = torch.empty(B, H, Q_LEN, dtype=torch.float32, device=device)
+    delta = None if sigmoid else torch.empty(B, H, Q_LEN, dtype=torch.float32, device=device)
     dq = torch.empty_like(query, memory_format=torch.contiguous_format)
     dk = dv = None
     if needs_kv:
@@ -165,7 +169,7 @@ def run_backward(bw: BackwardPlan, plan, query, key, value, out, lse, grad_out, 
         q_sparse = _lists(block_lists[4:], B, H, plan.mask_info.block_size)
     common = dict(q=query, k=key, v=value, out=out, dout=grad_out, lse=lse, dlse=dlse, delta=delta,
                   dq=dq, dk=dk, dv=dv, score_buffers=score_buffers, mask_buffers=mask_buffers,
-                  scale=plan.scale)
+                  scale=plan.scale, **({"bias": bias} if sigmoid else {}))
     dq_spec, dkdv_spec = _pick(bw, (query, key, value, out, grad_out, dq, dk, dv), query.dtype)
     launch.run(dq_spec, device, dict(common, sparse=kv_sparse, grad_buffers=grads),
                tune_blocks=bw.tune_blocks)

@@ -232,14 +232,15 @@ def _swapped(plan: _Launch, query, key, value, out, lse, o_part, l_part) -> tupl
 
 def run_decode(plan, query, key, value, score_buffers, mask_buffers, kv_lists,
                kv_lengths, q_offsets, q_lengths, page_table, scale: float, max_kv_len: int,
-               out_strides=None):
+               out_strides=None, bias=None):
     """Launch a planned decode call: (out [B, Hq, Lq, Dv], lse [B, Hq, Lq]).
 
     ``kv_lengths`` / ``q_lengths`` are int32 tensors of B values or of one value shared
     by all, ``q_offsets`` such a tensor or None (the queries end their sequences),
     ``page_table`` an int32 [B, pages] tensor or None, ``kv_lists`` the block mask's
     four kv lists or None, ``max_kv_len`` a host bound on the lengths (for the split count),
-    ``out_strides`` the output's layout (default contiguous).
+    ``out_strides`` the output's layout (default contiguous), ``bias`` the sigmoid's bias
+    for a plan of sigmoid kernels (``sigmoid_attention``; its lse is then not written).
     """
     B, Hq, Lq, _ = query.shape
     Dv = value.shape[-1]
@@ -274,7 +275,7 @@ def run_decode(plan, query, key, value, score_buffers, mask_buffers, kv_lists,
                   *((t.shape[0], t.stride(0)) if t is not None else None for t in args.seq),
                   None if page_table is None else page_table.stride(0), S, float(scale),
                   tuple(map(id, score_buffers)), tuple(map(id, mask_buffers)),
-                  None if visit is None else tuple(map(id, visit)))
+                  None if visit is None else tuple(map(id, visit)), bias)
     slot = plan.replays.get(replay_key)
     if slot is None:
         if len(plan.replays) >= MAX_REPLAYS:
@@ -287,8 +288,8 @@ def run_decode(plan, query, key, value, score_buffers, mask_buffers, kv_lists,
             q=query, k=key, v=value, out=out, lse=lse, o_part=o_part, l_part=l_part, seq=args.seq,
             page_table=page_table, visit=visit, score_buffers=score_buffers,
             mask_buffers=mask_buffers, scale=scale, q_tile=plan.q_tile, num_splits=S,
-            page_size=plan.page_size, sparse_q=plan.sparse_q, sparse_kv=plan.sparse_kv),
-            replay=len(swapped))
+            page_size=plan.page_size, sparse_q=plan.sparse_q, sparse_kv=plan.sparse_kv,
+            **({} if bias is None else {"bias": bias})), replay=len(swapped))
     if S > 1 and (slot[1] is None or not slot[1](o_part, l_part, out, lse)):
         slot[1] = launch.run(plan.merge_spec, device,
                              dict(o_part=o_part, l_part=l_part, out=out, lse=lse), replay=4)

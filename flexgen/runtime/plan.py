@@ -18,6 +18,7 @@ captured tensors; a block mask as its eight lists, block size and lengths.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -448,15 +449,262 @@ def plan_backward(plan: AttentionPlan, query, key, value, grad_slots: tuple):
     return hit
 
 
+# ---------------------------------------------------------------------------------- sigmoid attention
+#
+# sigmoid_attention runs flex_attention's kernels with the "sigmoid" activation (each weight
+# sigmoid(z + bias) on its own, no running max or row sum): the same checks, the same kernel
+# choice (the decode kernel for a few queries), the same tiles and block-sparse loops. Its plans
+# are flex_attention's with every spec switched.
+
+_SIGMOID: dict = {}
+_SIGMOID_SPECS: dict = {}
+
+
+def sigmoid_spec(spec):
+    """``spec`` (a forward, backward, decode or merge spec, or None) with the sigmoid activation."""
+    if spec is None:
+        return None
+    hit = _SIGMOID_SPECS.get(spec.key)
+    if hit is None:
+        if len(_SIGMOID_SPECS) >= _MEMO_MAX:
+            _SIGMOID_SPECS.clear()
+        hit = _SIGMOID_SPECS[spec.key] = dataclasses.replace(spec, activation="sigmoid")
+    return hit
+
+
+def _sigmoid_plans(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers, block_lists,
+                   block_size, mask_lengths, scale, enable_gqa, options) -> tuple:
+    """(flex_attention's plan, sigmoid_attention's plan) of one call, memoized."""
+    memo = (_key(query, key, value), score_mod, _key(*score_buffers), mask_mod, _key(*mask_buffers),
+            _key(*block_lists[:2]), tuple(block_size), tuple(mask_lengths), scale, enable_gqa, options,
+            torch.backends.cuda.matmul.allow_tf32 if query.device.type == "cuda" else None)
+
+    def make():
+        base = plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers,
+                              block_lists, block_size, mask_lengths, scale, enable_gqa, options)
+        decode = base.decode
+        if decode is not None:
+            decode = dataclasses.replace(decode, spec=sigmoid_spec(decode.spec),
+                                         deep_spec=sigmoid_spec(decode.deep_spec),
+                                         merge_spec=sigmoid_spec(decode.merge_spec), replays={})
+        return base, dataclasses.replace(base, spec=sigmoid_spec(base.spec),
+                                         pointer_spec=sigmoid_spec(base.pointer_spec), decode=decode,
+                                         replay=[None], backward={})
+
+    return _memo(_SIGMOID, memo, make)
+
+
+def plan_sigmoid(query, key, value, score_mod: str, score_buffers, mask_mod: str, mask_buffers,
+                 block_lists, block_size, mask_lengths, scale, enable_gqa: bool,
+                 options: str) -> AttentionPlan:
+    """Check a ``sigmoid_attention`` call and decide its kernels: ``plan_attention``'s, with the
+    sigmoid activation."""
+    return _sigmoid_plans(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers,
+                          block_lists, block_size, mask_lengths, scale, enable_gqa, options)[1]
+
+
+def plan_sigmoid_backward(query, key, value, score_mod: str, score_buffers, mask_mod: str, mask_buffers,
+                          block_lists, block_size, mask_lengths, scale, enable_gqa: bool, options: str,
+                          grad_slots: tuple):
+    """The dQ and dK/dV kernels of a ``sigmoid_attention`` call: ``plan_backward``'s, with the
+    sigmoid activation (memoized on the sigmoid plan; GradientError as there)."""
+    base, plan = _sigmoid_plans(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers,
+                                block_lists, block_size, mask_lengths, scale, enable_gqa, options)
+    memo = (grad_slots, torch.are_deterministic_algorithms_enabled())
+    hit = plan.backward.get(memo)
+    if hit is None:
+        bw = plan_backward(base, query, key, value, grad_slots)
+        hit = plan.backward[memo] = dataclasses.replace(
+            bw, dq=sigmoid_spec(bw.dq), dkdv=sigmoid_spec(bw.dkdv),
+            pointer=None if bw.pointer is None else tuple(map(sigmoid_spec, bw.pointer)))
+    return hit
+
+
+# ---------------------------------------------------------------------------------- linear attention
+
+LINEAR_CHUNK = 64                # positions per chunk of the chunked kernels (kernel_options BLOCK_M)
+_LINEAR: dict = {}
+
+
+def _linear_tiles(options: KernelOptions, device, Dk: int, Dv: int) -> dict:
+    """Chunk size, value-dim slice, scan tile, warps and stages of the linear kernels."""
+    from ..codegen.spec import pad_head_dim
+    gpu = device.type == "cuda"
+    chunk = options.BLOCK_M or LINEAR_CHUNK
+    v_pad = pad_head_dim(Dv)
+    # The interpreter's cost is per operation: whole tiles there.
+    block_dv = options.BLOCK_N or (min(64, v_pad) if gpu else v_pad)
+    for name, v in (("BLOCK_M", chunk), ("BLOCK_N", block_dv)):
+        if v < 16 or v & (v - 1):
+            raise expected(f"kernel_options[{name!r}]", "a power of two >= 16 ("
+                           + ("the chunk size" if name == "BLOCK_M" else "the value-dim slice") + ")",
+                           v, "use 64 (or 16 / 32 / 128)")
+    warps = options.num_warps or (8 if gpu and max(Dk, Dv) > 64 else 4)
+    stages = options.num_stages or (2 if gpu else 1)
+    scan = 512 if gpu else max(16, 1 << (Dk * Dv - 1).bit_length())
+    return dict(chunk=chunk, block_dv=min(block_dv, v_pad), scan=scan, warps=warps, stages=stages,
+                decode_dv=options.BLOCK_N or (32 if gpu else v_pad))
+
+
+def check_linear(query, key, value, initial_state, enable_gqa, *, state_name="initial_state",
+                 state_rows=None) -> None:
+    """query [B, Hq, T, Dk], key [B, Hkv, T, Dk], value [B, Hkv, T, Dv], a state [rows, Hq, Dk, Dv]
+    float32 (rows = B unless ``state_rows``)."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        check_tensor(name, t, "[B, H, T, D]")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise expected("key/value", f"the query's dtype {query.dtype}",
+                       f"key {key.dtype}, value {value.dtype}", "convert all three to one dtype")
+    if not (query.device == key.device == value.device):
+        raise expected("key/value", f"the query's device {query.device}",
+                       f"key on {key.device}, value on {value.device}", "move all three to one device")
+    B, Hq, T, Dk = query.shape
+    if key.shape[0] != B or value.shape[0] != B:
+        raise expected("key/value batch", f"batch {B} like query", f"{key.shape[0]} and {value.shape[0]}",
+                       "give query, key and value the same batch size")
+    if key.shape[2] != T or value.shape[2] != T:
+        raise expected("key/value length", f"the query's length {T} (linear attention is causal over "
+                       "one sequence)", f"{key.shape[2]} and {value.shape[2]}",
+                       "pass the same positions for query, key and value")
+    if key.shape[1] != value.shape[1]:
+        raise expected("value heads", f"the key's {key.shape[1]} heads", value.shape[1],
+                       "key and value must have the same heads")
+    if key.shape[3] != Dk:
+        raise expected("key.shape[-1]", f"the query's head dim {Dk}", key.shape[3],
+                       "query and key need the same head dim (value's may differ)")
+    if B == 0 or Hq == 0 or T == 0:
+        raise expected("query", "at least one batch row, head and position", f"shape {list(query.shape)}",
+                       "skip the call for empty inputs")
+    check_heads(Hq, key.shape[1], enable_gqa)
+    if initial_state is not None:
+        rows = B if state_rows is None else state_rows
+        want = [rows, Hq, Dk, value.shape[3]]
+        if not isinstance(initial_state, torch.Tensor) or initial_state.dim() != 4 or (
+                state_rows is None and list(initial_state.shape) != want) or (
+                state_rows is not None and list(initial_state.shape[1:]) != want[1:]):
+            got = (f"shape {list(initial_state.shape)}" if isinstance(initial_state, torch.Tensor)
+                   else type(initial_state).__name__)
+            shape = f"[{rows}, {Hq}, {Dk}, {value.shape[3]}]" if state_rows is None else \
+                f"[num_slots, {Hq}, {Dk}, {value.shape[3]}]"
+            raise expected(state_name, f"a tensor {shape} (rows, query heads, Dk, Dv)", got,
+                           "one [Dk, Dv] state per query head (enable_gqa: the query's heads)")
+        if initial_state.dtype != torch.float32:
+            raise expected(state_name, "a float32 tensor", initial_state.dtype, f"pass {state_name}.float()")
+        if initial_state.device != query.device:
+            raise expected(state_name, f"a tensor on {query.device}", initial_state.device,
+                           f"{state_name}.to('{query.device}')")
+
+
+def plan_linear(query, key, value, initial_state, decay_mod: str, decay_buffers, feature_map: str,
+                feature_buffers, scale: float, enable_gqa: bool, options: str):
+    """Check a ``linear_attention`` call and decide its kernels (memoized on what it reads):
+    the recurrent decode kernel for a few positions from a given state (T <= 16), else the
+    chunked ones (``flexgen.kernels.linear``)."""
+    memo = (_key(query, key, value), None if initial_state is None else _key(initial_state), decay_mod,
+            _key(*decay_buffers), feature_map, _key(*feature_buffers), scale, enable_gqa, options,
+            dot_precision(query))
+    return _memo(_LINEAR, memo, lambda: _plan_linear(
+        query, key, value, initial_state, decay_mod, decay_buffers, feature_map, feature_buffers,
+        scale, enable_gqa, options, None))
+
+
+def _lowered_linear(decay_mod, decay_buffers, feature_map, feature_buffers, device):
+    decay = TracedMod.from_graph(decay_mod, decay_buffers) if decay_mod else None
+    feature = TracedMod.from_graph(feature_map, feature_buffers) if feature_map else None
+    for traced in (decay, feature):
+        if traced is not None:
+            check_captured(traced, device)
+    return decay, feature
+
+
+def _plan_linear(query, key, value, initial_state, decay_mod, decay_buffers, feature_map, feature_buffers,
+                 scale, enable_gqa, options, state_rows):
+    from ..kernels.linear import LinearPlan, linear_spec
+    check_linear(query, key, value, initial_state, enable_gqa,
+                 state_name="initial_state" if state_rows is None else "state", state_rows=state_rows)
+    B, Hq, T, Dk = query.shape
+    Hkv, Dv = key.shape[1], value.shape[3]
+    device, dtype = query.device, query.dtype
+    opts = KernelOptions.from_text(options)
+    decay, feature = _lowered_linear(decay_mod, decay_buffers, feature_map, feature_buffers, device)
+    t = _linear_tiles(opts, device, Dk, Dv)
+    common = dict(decay=None if decay is None else lower(decay).snippet,
+                  feature=None if feature is None else lower(feature).snippet,
+                  decay_buffers=() if decay is None else lower(decay).buffers,
+                  feature_buffers=() if feature is None else lower(feature).buffers,
+                  qk_head=Dk, v_head=Dv, dtype=DTYPES[dtype], dot_precision=dot_precision(query),
+                  num_warps=t["warps"], num_stages=t["stages"])
+    decode = opts.BACKEND == "TRITON_DECODE" or (
+        opts.BACKEND in ("AUTO", "tl") and initial_state is not None and T <= MAX_DECODE_QUERIES)
+    plan = LinearPlan("decode" if decode or state_rows is not None else "chunked", B, Hq, Hkv, T, Dk, Dv,
+                      dtype, device, scale, t["chunk"], decay, feature, common=common)
+    plan.decode = linear_spec("linear_decode", part="decode", **dict(common, num_stages=1),
+                              block_n=t["decode_dv"])
+    if state_rows is None:
+        plan.state = linear_spec("linear", part="state", block_m=t["chunk"], block_n=t["block_dv"], **common)
+        plan.scan = linear_spec("linear", part="scan", block_m=t["chunk"], block_n=t["scan"],
+                                decayed=decay is not None, qk_head=Dk, v_head=Dv, dtype="float32",
+                                num_warps=4, num_stages=3 if device.type == "cuda" else 1)
+        plan.output = linear_spec("linear", part="output", block_m=t["chunk"], block_n=t["block_dv"],
+                                  **common)
+    return plan
+
+
+def plan_linear_decode(query, key, value, state, decay_mod: str, decay_buffers, feature_map: str,
+                       feature_buffers, scale: float, enable_gqa: bool, options: str):
+    """Check a ``linear_attention_decode`` call (a cache of states [num_slots, Hq, Dk, Dv]) and
+    decide its kernel."""
+    memo = ("cache", _key(query, key, value), _key(state), decay_mod, _key(*decay_buffers), feature_map,
+            _key(*feature_buffers), scale, enable_gqa, options)
+    return _memo(_LINEAR, memo, lambda: _plan_linear(
+        query, key, value, state, decay_mod, decay_buffers, feature_map, feature_buffers,
+        scale, enable_gqa, options, state.shape[0] if isinstance(state, torch.Tensor) else 0))
+
+
+def plan_linear_backward(plan, grad_slots: tuple):
+    """The backward's kernels of a planned ``linear_attention`` call (memoized on the plan);
+    GradientError naming the mod before anything runs."""
+    from ..errors import GradientError
+    from ..frontend.linear import decay_grad, feature_code
+    from ..kernels.linear import LinearBackward, linear_spec
+    hit = plan.backward.get(grad_slots)
+    if hit is None:
+        feature = plan.feature_traced
+        if feature is not None and any(t.requires_grad for t in feature.buffers):
+            raise GradientError(f"feature_map '{feature.name}': its captured tensors cannot get "
+                                "gradients. Fix: pass them .detach()-ed (or fold a learned scale "
+                                "into the query and key projections)")
+        snippet, grad = feature_code(feature, with_grad=True)
+        common = dict(plan.common, feature=snippet, feature_grad=grad)
+        t = dict(block_m=plan.state.block_m, block_n=plan.state.block_n)
+        gates = None
+        if grad_slots:
+            lowered = decay_grad(plan.decay_traced, grad_slots)
+            gates = linear_spec("linear", part="gates", block_m=plan.state.block_m,
+                                decay_buffers=plan.common["decay_buffers"],
+                                decay_grad_lines=lowered.lines, scatters=lowered.scatters,
+                                grad_buffers=lowered.grad_buffers, qk_head=plan.Dk, v_head=plan.Dv,
+                                dtype=plan.common["dtype"], num_warps=4)
+        hit = plan.backward[grad_slots] = LinearBackward(
+            linear_spec("linear", part="grad", **t, **common), gates, grad_slots)
+    return hit
+
+
 def clear_memos() -> None:
     """Forget every plan (``flexgen.clear_caches``)."""
     _ATTENTION.clear()
     _DECODE.clear()
+    _SIGMOID.clear()
+    _SIGMOID_SPECS.clear()
+    _LINEAR.clear()
+    from ..kernels.linear import clear_memos as clear_linear
+    clear_linear()
     from ..kernels.decode import clear_memos as clear_decode
     clear_decode()
 
 
 __all__ = ["AttentionPlan", "DecodePlan", "Mask", "plan_attention", "plan_backward", "plan_decode",
-           "plan_decode_call", "check_qkv",
+           "plan_decode_call", "check_qkv", "plan_sigmoid", "plan_sigmoid_backward", "sigmoid_spec",
+           "plan_linear", "plan_linear_decode", "plan_linear_backward", "check_linear", "LINEAR_CHUNK",
            "check_mask", "tiles", "out_strides", "TMA_MIN_SCORES", "MAX_DECODE_QUERIES",
            "LARGE_SPARSE_BLOCK", "clear_memos"]

@@ -1,0 +1,405 @@
+"""Attention without softmax: sigmoid attention and decayed linear attention, against their peers.
+
+    python benchmarks/bench_nosoftmax.py            # the H100 grid (~2-4 min)
+    python benchmarks/bench_nosoftmax.py --smoke    # tiny sizes on CPU (interpreter): checks the script only
+
+bf16, H = 16 heads, D = 128, 16k tokens (``--length``), batch 1. Three parts, each case
+checked for correctness before it is timed:
+
+1. **sigmoid vs softmax** (``flexgen.sigmoid_attention`` against flexgen's own softmax
+   kernel, ``flexgen.flex_attention``, on the same inputs and the same block mask), causal and
+   full, forward and forward+backward. ``speedup`` = softmax ms / sigmoid ms (target >= 1.05:
+   the sigmoid kernel drops the online softmax's max, row sum and rescale). Checked against
+   ``sigmoid_attention_reference`` (float32) at 1k tokens.
+2. **linear attention vs flash-linear-attention** (``fla``, when importable: its
+   ``chunk_simple_gla``; the peer is skipped cleanly otherwise) on the same inputs: the
+   lightning decay (a constant ``-slopes[h]`` per head; fla's ``g_gamma``) and per-token gates
+   (``logsigmoid`` gates ``[B, H, T]``; fla's ``g``), forward and forward+backward.
+   ``vs fla`` = fla ms / flexgen ms (target >= 1.0). flexgen is checked against fla's output
+   (and against ``linear_attention_reference`` at 1k tokens when fla is missing).
+3. **linear decode**: ``flexgen.linear_attention_decode`` — one token per sequence updating a
+   cache of states ``[B, H, 128, 128]`` float32 in place, B in {1, 64}, lightning decay —
+   replayed from a CUDA graph (kernel time; as a serving loop runs it) and called from Python.
+   ``tok/s`` = B / time; ``GB/s`` counts the state read and written once plus q, k, v, out;
+   ``%copy`` is that over the device-to-device copy bandwidth measured in the same run
+   (target >= 80% at B = 64).
+
+Times are ``triton.testing.do_bench`` medians. A case that fails is printed with its error and
+the run goes on; SIGTERM still writes the JSON and the table. Writes JSON (device, versions,
+every case) under ``$OUT`` when set (``--out`` overrides), else ``benchmarks/results/``.
+Prints a table last.
+"""
+from __future__ import annotations
+
+import os
+
+# Timings must not include flexgen's NaN poisoning of outputs (an extra fill kernel).
+os.environ.pop("FLEXGEN_POISON", None)
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import inspect  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import flexgen  # noqa: E402
+from flexgen import mods as M  # noqa: E402
+from flexgen.reference import linear_attention_reference, sigmoid_attention_reference  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import Timer, environment, write_json  # noqa: E402
+
+DTYPE = torch.bfloat16
+
+
+class Stop(BaseException):
+    """SIGTERM: stop timing, still write the results (not an Exception: peers' handlers let it pass)."""
+
+
+def _stop(signum, frame):
+    raise Stop(f"signal {signum}")
+
+
+def _err(exc) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+
+
+def _cleanup(cuda):
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+def _rel(a, b) -> float:
+    """max |a - b| / max |b|."""
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+
+
+def _fwd_bwd(fn, leaves, d_out):
+    """A callable running ``fn`` forward then backward into ``leaves`` (their grads reset)."""
+    def run():
+        for t in leaves:
+            t.grad = None
+        out = fn()
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(d_out)
+    return run
+
+
+# ---------------------------------------------------------------------------------- sigmoid
+
+def sigmoid_cases(args, timer, cuda, device) -> list:
+    B, H, L, D = 1, args.heads, args.length, args.dim
+    rows = []
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(B, H, L, D, generator=gen, device=device, dtype=DTYPE) for _ in range(3))
+    d_out = torch.randn(B, H, L, D, generator=gen, device=device, dtype=DTYPE)
+    for variant in ("causal", "full"):
+        row = dict(part="sigmoid", variant=variant, B=B, H=H, L=L, D=D)
+        rows.append(row)
+        try:
+            mask = None if variant == "full" else flexgen.create_block_mask(
+                M.causal_mask, None, None, L, L, device=device)
+            # Correctness first, at a size the dense float32 reference can hold.
+            Ls = min(L, 1024)
+            qs, ks, vs = q[:, :, :Ls], k[:, :, :Ls], v[:, :, :Ls]
+            mask_s = None if variant == "full" else flexgen.create_block_mask(
+                M.causal_mask, None, None, Ls, Ls, device=device)
+            got = flexgen.sigmoid_attention(qs, ks, vs, block_mask=mask_s)
+            ref = sigmoid_attention_reference(qs, ks, vs, mask_mod=mask_s, dtype=torch.float32)
+            row["check_rel_err"] = _rel(got, ref)
+            flops = 4 * B * H * L * L * D * (0.5 if variant == "causal" else 1.0)
+            sig = lambda: flexgen.sigmoid_attention(q, k, v, block_mask=mask)  # noqa: E731
+            soft = lambda: flexgen.flex_attention(q, k, v, block_mask=mask)  # noqa: E731
+            row["sigmoid_ms"] = timer(sig)
+            row["softmax_ms"] = timer(soft)
+            row["speedup"] = row["softmax_ms"] / row["sigmoid_ms"]
+            row["sigmoid_tflops"] = flops / row["sigmoid_ms"] / 1e9
+            row["softmax_tflops"] = flops / row["softmax_ms"] / 1e9
+            leaves = [t.requires_grad_() for t in (q, k, v)]
+            row["sigmoid_fb_ms"] = timer(_fwd_bwd(
+                lambda: flexgen.sigmoid_attention(*leaves, block_mask=mask), leaves, d_out))
+            row["softmax_fb_ms"] = timer(_fwd_bwd(
+                lambda: flexgen.flex_attention(*leaves, block_mask=mask), leaves, d_out))
+            row["speedup_fb"] = row["softmax_fb_ms"] / row["sigmoid_fb_ms"]
+        except Exception as exc:  # noqa: BLE001 - one case failing must not stop the run
+            row["error"] = _err(exc)
+            traceback.print_exc(limit=3)
+        finally:
+            for t in (q, k, v):
+                t.requires_grad_(False)
+                t.grad = None
+            _cleanup(cuda)
+        print(f"  {row}", flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------------- linear
+
+def fla_peer():
+    """(chunk_simple_gla, its keyword names) or (None, why)."""
+    try:
+        from fla.ops.simple_gla import chunk_simple_gla
+    except Exception as exc:  # noqa: BLE001 - any import failure: no peer
+        return None, _err(exc)
+    return chunk_simple_gla, set(inspect.signature(chunk_simple_gla).parameters)
+
+
+def _fla_kwargs(params, *, B, T, H, gates=None, slopes=None, scale):
+    """chunk_simple_gla's keyword arguments for a lightning decay (``slopes`` [H]) or per-token
+    gates ([B, T, H], fla's layout), whatever fla version is installed."""
+    kwargs = dict(scale=scale)
+    if "head_first" in params:
+        kwargs["head_first"] = False          # fla's [B, T, H, D] layout
+    if slopes is not None and "g_gamma" in params:
+        kwargs["g_gamma"] = -slopes
+    elif slopes is not None:
+        kwargs["g"] = (-slopes).view(1, 1, H).expand(B, T, H).contiguous()
+    if gates is not None:
+        kwargs["g"] = gates
+    return kwargs
+
+
+def _fla_layout(t):
+    """[B, H, T, ...] -> fla's [B, T, H, ...], contiguous (made once, outside the timings)."""
+    return t.transpose(1, 2).contiguous()
+
+
+def linear_cases(args, timer, cuda, device) -> list:
+    B, H, T, D = 1, args.heads, args.length, args.dim
+    scale = D ** -0.5
+    fla, params = (None, "skipped (--skip-fla)") if args.skip_fla else fla_peer()
+    if fla is None:
+        print(f"  fla not available: {params}", flush=True)
+    gen = torch.Generator(device=device).manual_seed(1)
+    # Unit-norm rows keep the unnormalized states O(1) over 16k tokens, as a model's would.
+    q, k = (F.normalize(torch.randn(B, H, T, D, generator=gen, device=device), dim=-1).to(DTYPE)
+            for _ in range(2))
+    v = torch.randn(B, H, T, D, generator=gen, device=device, dtype=DTYPE)
+    d_out = torch.randn(B, H, T, D, generator=gen, device=device, dtype=DTYPE)
+    slopes = torch.tensor([2.0 ** (-8 * (i + 1) / H) for i in range(H)], device=device)
+    gates = F.logsigmoid(torch.randn(B, H, T, generator=gen, device=device) + 4.0)
+    rows = []
+    for variant in ("lightning", "gates"):
+        row = dict(part="linear", variant=variant, B=B, H=H, T=T, D=D)
+        rows.append(row)
+        try:
+            g = gates.clone()
+
+            def decay(b, h, t, g=g):
+                return -slopes[h] if variant == "lightning" else g[b, h, t]
+
+            def ours(q=q, k=k, v=v):
+                return flexgen.linear_attention(q, k, v, decay_mod=decay, scale=scale)
+
+            out = ours()
+            Ts = min(T, 1024)
+            ref = linear_attention_reference(q[:, :, :Ts], k[:, :, :Ts], v[:, :, :Ts], decay, scale=scale,
+                                             dtype=torch.float32)
+            row["check_rel_err"] = _rel(out[:, :, :Ts], ref)
+            row["flexgen_ms"] = timer(ours)
+            leaves = [t.requires_grad_() for t in (q, k, v)] + ([g.requires_grad_()] if variant == "gates" else [])
+            row["flexgen_fb_ms"] = timer(_fwd_bwd(lambda: ours(*leaves[:3]), leaves, d_out))
+            if fla is not None:
+                qf, kf, vf, do_f = (_fla_layout(t.detach()) for t in (q, k, v, d_out))
+                g_f = _fla_layout(g.detach()) if variant == "gates" else None
+                kw = lambda g_f=g_f: _fla_kwargs(  # noqa: E731
+                    params, B=B, T=T, H=H, scale=scale, gates=g_f,
+                    slopes=slopes if variant == "lightning" else None)
+                theirs = fla(qf, kf, vf, **kw())
+                theirs = theirs[0] if isinstance(theirs, tuple) else theirs
+                row["vs_fla_rel_err"] = _rel(_fla_layout(out), theirs)
+                row["fla_ms"] = timer(lambda: fla(qf, kf, vf, **kw()))
+                row["vs_fla"] = row["fla_ms"] / row["flexgen_ms"]
+                peer = [t.requires_grad_() for t in (qf, kf, vf)] + (
+                    [g_f.requires_grad_()] if g_f is not None else [])
+                row["fla_fb_ms"] = timer(_fwd_bwd(lambda: fla(*peer[:3], **kw(*peer[3:])), peer, do_f))
+                row["vs_fla_fb"] = row["fla_fb_ms"] / row["flexgen_fb_ms"]
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = _err(exc)
+            traceback.print_exc(limit=3)
+        finally:
+            for t in (q, k, v):
+                t.requires_grad_(False)
+                t.grad = None
+            _cleanup(cuda)
+        print(f"  {row}", flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------------- decode
+
+def copy_gbps(timer, cuda) -> float | None:
+    """Device-to-device copy bandwidth (GB/s: bytes read + written), the decode's ceiling."""
+    if not cuda:
+        return None
+    n = 1 << 28                                        # 1 GiB of float32
+    src = torch.empty(n, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    ms = timer(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * n * 4 / (ms * 1e-3) / 1e9
+
+
+def graph_ms(fn, timer, cuda) -> float | None:
+    """Median ms of ``fn`` replayed from a CUDA graph, as a serving loop runs its decode steps
+    (warmed up on a side stream first: nothing may synchronize during the capture)."""
+    if not cuda:
+        return None
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = timer(graph.replay)
+    del graph
+    return ms
+
+
+def decode_cases(args, timer, cuda, device, bw) -> list:
+    H, D = args.heads, args.dim
+    slopes = torch.tensor([2.0 ** (-8 * (i + 1) / H) for i in range(H)], device=device)
+
+    def decay(b, h, t):
+        return -slopes[h]
+
+    rows = []
+    for B in args.batches:
+        row = dict(part="decode", B=B, H=H, D=D)
+        rows.append(row)
+        try:
+            gen = torch.Generator(device=device).manual_seed(2)
+            q, k, v = (torch.randn(B, H, 1, D, generator=gen, device=device, dtype=DTYPE) * 0.1
+                       for _ in range(3))
+            cache = torch.randn(B + 3, H, D, D, generator=gen, device=device) * 0.1
+            slots = torch.randperm(B + 3, generator=torch.Generator().manual_seed(3))[:B].to(
+                device=device, dtype=torch.int32)
+            start = cache[slots.long()].clone()
+            out = flexgen.linear_attention_decode(q, k, v, cache, slots, decay)
+            ref, ref_state = linear_attention_reference(q, k, v, decay, initial_state=start,
+                                                        output_final_state=True, dtype=torch.float32)
+            row["check_rel_err"] = max(_rel(out, ref), _rel(cache[slots.long()], ref_state))
+            step = lambda: flexgen.linear_attention_decode(q, k, v, cache, slots, decay)  # noqa: E731
+            moved = 2 * B * H * D * D * 4 + 4 * B * H * D * 2
+            row["eager_ms"] = timer(step)
+            ms = graph_ms(step, timer, cuda)
+            for name, t in (("eager", row["eager_ms"]), ("graph", ms)):
+                if t is None:
+                    continue
+                row[f"{name}_tok_s"] = B / (t * 1e-3)
+                row[f"{name}_gbps"] = moved / (t * 1e-3) / 1e9
+                if bw:
+                    row[f"{name}_pct_copy"] = 100 * row[f"{name}_gbps"] / bw
+            row["graph_ms"] = ms
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = _err(exc)
+            traceback.print_exc(limit=3)
+        finally:
+            _cleanup(cuda)
+        print(f"  {row}", flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------------- report
+
+def _f(x, spec, missing="-"):
+    import re
+    width = re.match(r"\d*", spec).group()
+    return missing.rjust(int(width or 0)) if x is None else format(x, spec)
+
+
+def table(payload) -> str:
+    env, cases = payload["env"], payload["cases"]
+    lines = [f"attention without softmax, bf16, H={payload['heads']}, D={payload['dim']}: "
+             f"{env.get('device_name')}, copy {_f(payload.get('copy_gbps'), '.0f')} GB/s"]
+    head = (f"{'sigmoid':<10} {'L':>6} | {'sigmoid ms':>10} {'softmax ms':>10} {'speedup':>7} | "
+            f"{'fwd+bwd ms':>10} {'softmax':>8} {'speedup':>7} | {'rel err':>7}  note")
+    lines += ["", head, "-" * len(head)]
+    for r in (c for c in cases if c["part"] == "sigmoid"):
+        lines.append(f"{r['variant']:<10} {r['L']:>6} | {_f(r.get('sigmoid_ms'), '10.3f')} "
+                     f"{_f(r.get('softmax_ms'), '10.3f')} {_f(r.get('speedup'), '7.2f')} | "
+                     f"{_f(r.get('sigmoid_fb_ms'), '10.3f')} {_f(r.get('softmax_fb_ms'), '8.3f')} "
+                     f"{_f(r.get('speedup_fb'), '7.2f')} | {_f(r.get('check_rel_err'), '7.1e')}  "
+                     f"{r.get('error', '')}")
+    head = (f"{'linear':<10} {'T':>6} | {'flexgen ms':>10} {'fla ms':>8} {'vs fla':>6} | "
+            f"{'fwd+bwd ms':>10} {'fla':>8} {'vs fla':>6} | {'vs fla err':>10} {'ref err':>7}  note")
+    lines += ["", head, "-" * len(head)]
+    for r in (c for c in cases if c["part"] == "linear"):
+        lines.append(f"{r['variant']:<10} {r['T']:>6} | {_f(r.get('flexgen_ms'), '10.3f')} "
+                     f"{_f(r.get('fla_ms'), '8.3f')} {_f(r.get('vs_fla'), '6.2f')} | "
+                     f"{_f(r.get('flexgen_fb_ms'), '10.3f')} {_f(r.get('fla_fb_ms'), '8.3f')} "
+                     f"{_f(r.get('vs_fla_fb'), '6.2f')} | {_f(r.get('vs_fla_rel_err'), '10.1e')} "
+                     f"{_f(r.get('check_rel_err'), '7.1e')}  {r.get('error', payload.get('fla', ''))}")
+    head = (f"{'decode':<10} {'B':>6} | {'graph us':>9} {'tok/s':>10} {'GB/s':>6} {'%copy':>5} | "
+            f"{'eager us':>9} {'tok/s':>10} | {'rel err':>7}  note")
+    lines += ["", head, "-" * len(head)]
+    for r in (c for c in cases if c["part"] == "decode"):
+        us = lambda key: None if r.get(key) is None else r[key] * 1e3  # noqa: E731
+        lines.append(f"{'state':<10} {r['B']:>6} | {_f(us('graph_ms'), '9.1f')} {_f(r.get('graph_tok_s'), '10.0f')} "
+                     f"{_f(r.get('graph_gbps'), '6.0f')} {_f(r.get('graph_pct_copy'), '5.0f')} | "
+                     f"{_f(us('eager_ms'), '9.1f')} {_f(r.get('eager_tok_s'), '10.0f')} | "
+                     f"{_f(r.get('check_rel_err'), '7.1e')}  {r.get('error', '')}")
+    lines += ["", "targets: sigmoid speedup >= 1.05; linear vs fla >= 1.0 (forward and fwd+bwd); "
+              "decode %copy >= 80 at B=64"]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--length", type=int, default=16384, help="tokens (sigmoid L and linear T)")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--batches", default="1,64", help="decode batch sizes")
+    ap.add_argument("--parts", default="sigmoid,linear,decode")
+    ap.add_argument("--skip-fla", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (interpreter): tests the script")
+    ap.add_argument("--out", default=None, help="output folder (default $OUT, else benchmarks/results)")
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.smoke
+    if args.smoke:
+        args.length, args.heads, args.dim = 64, 2, 32
+    args.batches = [int(b) for b in args.batches.split(",") if b]
+    if args.smoke:
+        args.batches = [1, 4]
+    device = torch.device("cuda" if cuda else "cpu")
+    timer = Timer(cuda)
+    signal.signal(signal.SIGTERM, _stop)
+    out_dir = args.out or os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    os.makedirs(out_dir, exist_ok=True)
+    name = "bench_nosoftmax_smoke.json" if args.smoke else "bench_nosoftmax.json"
+    json_path = os.path.join(out_dir, name)
+    payload = dict(env=environment(cuda), heads=args.heads, dim=args.dim, length=args.length, cases=[])
+    fla, why = fla_peer()
+    payload["fla"] = "fla " + getattr(sys.modules.get("fla"), "__version__", "?") if fla else f"no fla ({why})"
+    parts = set(args.parts.split(","))
+    try:
+        payload["copy_gbps"] = copy_gbps(timer, cuda)
+        if "sigmoid" in parts:
+            print("sigmoid attention vs flexgen softmax", flush=True)
+            payload["cases"] += sigmoid_cases(args, timer, cuda, device)
+            write_json(json_path, payload)
+        if "linear" in parts:
+            print("linear attention vs fla", flush=True)
+            payload["cases"] += linear_cases(args, timer, cuda, device)
+            write_json(json_path, payload)
+        if "decode" in parts:
+            print("linear attention decode with a state cache", flush=True)
+            payload["cases"] += decode_cases(args, timer, cuda, device, payload.get("copy_gbps"))
+    except Stop as exc:
+        print(f"  stopped: {exc}", flush=True)
+    write_json(json_path, payload)
+    print(f"wrote {json_path}")
+    print("\n" + table(payload))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
