@@ -215,7 +215,7 @@ def test_no_replay_of_tma_descriptors(fake_gpu, monkeypatch):
 def test_the_interpreter_path_never_replays():
     q = torch.randn(1, 2, 40, 32)
     flexgen.flex_attention(q, q, q)
-    assert _plan(q, q, q).replay == [None]
+    assert _plan(q, q, q).replays == {}
 
 
 # ---------------------------------------------------------------------------- call memo
@@ -433,3 +433,24 @@ def test_a_forward_replay_checks_the_new_outputs_alignment(fake_gpu, monkeypatch
         m.setattr(torch, "empty_strided", misaligned_empty)
         flexgen.flex_attention(q, k, v)
     assert len(launched) == 2 and kernel.compiled.calls == []
+
+
+def test_a_replay_is_only_for_the_same_captured_tensors_and_mask_lists(fake_gpu, monkeypatch):
+    """Calls of one plan that read other captured tensors or other block lists (a new
+    document mask of the same shapes) launch with theirs: a replay swaps in only Q, K, V
+    and the outputs, so it must never stand in for them."""
+    module, kernel = fake_gpu
+    launched = _fake_forward_launches(kernel, monkeypatch)
+    q, k, v = (torch.randn(1, 2, 40, 32) for _ in range(3))
+
+    def with_bias(bias):
+        return lambda score, b, h, q_idx, kv_idx: score + bias[h]
+
+    first, second = torch.randn(2), torch.randn(2)
+    masks = [flexgen.create_block_mask(_causal, None, None, 40, 40, device="cpu") for _ in range(2)]
+    flexgen.flex_attention(q, k, v, score_mod=with_bias(first), block_mask=masks[0])
+    flexgen.flex_attention(q, k, v, score_mod=with_bias(second), block_mask=masks[0])
+    flexgen.flex_attention(q, k, v, score_mod=with_bias(first), block_mask=masks[1])
+    assert len(launched) == 3 and kernel.compiled.calls == []
+    flexgen.flex_attention(torch.randn_like(q), k, v, score_mod=with_bias(second), block_mask=masks[0])
+    assert len(launched) == 3 and len(kernel.compiled.calls) == 1      # the second launch, replayed

@@ -2,8 +2,9 @@
 
 ``run_forward`` allocates the outputs (in the query's stride order), picks the
 pointer variant where a TMA plan meets a base TMA cannot address, and launches
-through ``flexgen.runtime.launch``; a repeated call with the same plan replays
-the previous launch with its new tensors (``launch.Replay``).
+through ``flexgen.runtime.launch``; a repeated call with the same plan and the same
+other tensors replays the previous launch with its new leading tensors
+(``launch.Replay``, ``replay``).
 """
 from __future__ import annotations
 
@@ -38,17 +39,43 @@ def run_forward(plan, query, key, value, score_buffers, mask_buffers, block_list
         spec = plan.pointer_spec
     # The first six kernel arguments: Q, K, V, OUT, LSE and MAX (LSE again when not asked for).
     leading = (query, key, value, out, lse, lse if max_scores is None else max_scores)
-    replay = plan.replay[0]
-    if (replay is not None and spec is plan.spec and not tuning.needs_lookup()
-            and replay(*leading)):
+    others = replay_key(score_buffers, mask_buffers, block_lists)
+    if replay(plan, spec, others, leading):
         return out, lse, _placeholder(max_scores, device)
     launched = launch.run(spec, device, dict(
         q=query, k=key, v=value, out=out, lse=lse, sparse=sparse, score_buffers=score_buffers,
         mask_buffers=mask_buffers, scale=plan.scale, max_scores=max_scores),
         tune_blocks=plan.tune_blocks, replay=6)
-    if spec is plan.spec:
-        plan.replay[0] = launched
+    remember(plan, spec, others, launched)
     return out, lse, _placeholder(max_scores, device)
+
+
+MAX_REPLAYS = 16           # per plan: the other tensors' identities -> Replay
+
+
+def replay_key(score_buffers, mask_buffers, block_lists, *extra) -> tuple:
+    """What a launch passes besides its leading tensors and what the plan fixes (shapes,
+    strides, dtypes, scale): which captured tensors and block lists it reads. A plan serves
+    every call of those shapes (a new document mask has the same shapes), so a replay is
+    only right for the very same tensors; the Replay holds them, so their ids stay theirs."""
+    return (*map(id, score_buffers), None, *map(id, mask_buffers), None, *map(id, block_lists[:4]),
+            *extra)
+
+
+def replay(plan, spec, others, leading) -> bool:
+    """Relaunch the plan's earlier launch with the same ``others`` on new ``leading`` tensors
+    (False where there is none, or the Replay declines: then launch as usual)."""
+    found = plan.replays.get(others)
+    return (found is not None and spec is plan.spec and not tuning.needs_lookup()
+            and found(*leading))
+
+
+def remember(plan, spec, others, launched) -> None:
+    """Keep ``launched`` (a Replay or None) for the next call with the same ``others``."""
+    if spec is plan.spec and launched is not None:
+        if len(plan.replays) >= MAX_REPLAYS:
+            plan.replays.clear()
+        plan.replays[others] = launched
 
 
 def _placeholder(t, device) -> torch.Tensor:

@@ -27,11 +27,11 @@ from __future__ import annotations
 import torch
 
 from ..codegen.spec import tma_addressable
-from ..runtime import launch, tuning
+from ..runtime import launch
 from ..runtime.poison import poison
 from .backward import run_backward
 from .decode import constant, run_decode
-from .forward import broadcast_lists
+from .forward import replay_key, broadcast_lists, remember, replay
 
 
 def run_sigmoid(plan, query, key, value, score_buffers, mask_buffers, block_lists, bias: float):
@@ -54,20 +54,14 @@ def run_sigmoid(plan, query, key, value, score_buffers, mask_buffers, block_list
     spec = plan.spec
     if spec.use_tma and not all(map(tma_addressable, (query, key, value, out))):
         spec = plan.pointer_spec
-    # A repeated call relaunches with its new Q, K, V and OUT only, when everything else the
-    # launch passed is the same: the plan fixes shapes and strides, not the bias nor which
-    # captured tensors and block lists (a new document mask has the same shapes). The Replay
-    # holds those tensors, so their ids are not reused while it lives.
-    same = (bias, *map(id, score_buffers), None, *map(id, mask_buffers), None, *map(id, block_lists[:4]))
-    replay = plan.replay[0]
-    if (replay is not None and replay[0] == same and spec is plan.spec and not tuning.needs_lookup()
-            and replay[1](query, key, value, out)):
+    # A repeated call relaunches with its new Q, K, V and OUT (the bias too is the launch's).
+    others = replay_key(score_buffers, mask_buffers, block_lists, bias)
+    if replay(plan, spec, others, (query, key, value, out)):
         return out
     launched = launch.run(spec, device, dict(
         q=query, k=key, v=value, out=out, lse=None, sparse=sparse, score_buffers=score_buffers,
         mask_buffers=mask_buffers, scale=plan.scale, bias=bias), tune_blocks=plan.tune_blocks, replay=4)
-    if spec is plan.spec:
-        plan.replay[0] = None if launched is None else (same, launched)
+    remember(plan, spec, others, launched)
     return out
 
 

@@ -80,8 +80,8 @@ class AttentionPlan:
     decode: object = None                    # DecodePlan for the decode kernel
     out_strides: tuple = ()                  # the output keeps the query's stride order
     use_tma: bool = False                    # the [B, H, L, D] tensors through TMA descriptors
-    # Launch-time state that belongs to the plan: its replay slot and backward plans.
-    replay: list = field(default_factory=lambda: [None], repr=False)
+    # Launch-time state that belongs to the plan: its replays and backward plans.
+    replays: dict = field(default_factory=dict, repr=False)
     backward: dict = field(default_factory=dict, repr=False)
 
 
@@ -489,7 +489,7 @@ def _sigmoid_plans(query, key, value, score_mod, score_buffers, mask_mod, mask_b
                                          merge_spec=sigmoid_spec(decode.merge_spec), replays={})
         return base, dataclasses.replace(base, spec=sigmoid_spec(base.spec),
                                          pointer_spec=sigmoid_spec(base.pointer_spec), decode=decode,
-                                         replay=[None], backward={})
+                                         replays={}, backward={})
 
     return _memo(_SIGMOID, memo, make)
 
