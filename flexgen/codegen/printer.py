@@ -159,7 +159,12 @@ class TritonPrinter:
                 den.append(f.base ** -f.exp)
             else:
                 num.append(f)
-        printed, kind = self.numeric(num or [sympy.Integer(1)])
+        if (den or float_coeff is not None) and all(n.is_Integer for n in num):
+            # Only integers above the line (1 / score): a float literal, as a Python
+            # int has no .to() in a kernel.
+            printed, kind = [(_float_literal(sympy.Mul(*num)), "float")], "float"
+        else:
+            printed, kind = self.numeric(num or [sympy.Integer(1)])
         code = " * ".join(c for c, _ in printed)
         if float_coeff is not None:
             code = f"{float_coeff} * " + (code if kind == "float" else f"({code}).to(tl.float32)")
