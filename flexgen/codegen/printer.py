@@ -207,6 +207,11 @@ class TritonPrinter:
     def _print_cos(self, e):
         return f"tl.cos({self.as_float(e.args[0])})", "float"
 
+    def _print_tan(self, e):
+        # Triton has no tan: sin / cos of one temporary.
+        x, _ = self.temp(self.as_float(e.args[0]), "float")
+        return f"(tl.sin({x}) / tl.cos({x}))", "float"
+
     def _print_Sigmoid(self, e):
         return f"tl.sigmoid({self.as_float(e.args[0])})", "float"
 
