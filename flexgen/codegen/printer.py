@@ -335,6 +335,10 @@ class TritonPrinter:
         for d, index in enumerate(e.args):
             if index.is_Integer:
                 i, _ = self.temp(f"tl.full([1, 1], {int(index)}, tl.int32)", "int")
+            elif not index.free_symbols:
+                # Read from a 0-d captured tensor (bias[t, q_idx]): a [1, 1] tile as well; the
+                # interpreter turns a mask built from a loaded scalar into int32 and rejects it.
+                i, _ = self.temp(f"tl.full([1, 1], 0, tl.int32) + {self.as_int(index)}", "int")
             elif index.is_Symbol and index.is_nonnegative:
                 i = self.as_int(index)
             else:
