@@ -29,6 +29,7 @@ to three kinds the kernel computes in: ``b`` (bool), ``i`` (int32) and ``f``
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 import operator
 import os
@@ -132,7 +133,47 @@ def _user_location() -> str:
     return ""
 
 
-class Proxy:
+class _Operators:
+    """Python's operators on traced values: one line each (``Proxy``), or one per element
+    (``View`` and ``Row``: the builders map themselves over rows, see ``_elementwise``)."""
+
+    def __add__(self, o): return _binary("add", self, o)
+    def __radd__(self, o): return _binary("add", o, self)
+    def __sub__(self, o): return _binary("sub", self, o)
+    def __rsub__(self, o): return _binary("sub", o, self)
+    def __mul__(self, o): return _binary("mul", self, o)
+    def __rmul__(self, o): return _binary("mul", o, self)
+    def __truediv__(self, o): return _binary("truediv", self, o)
+    def __rtruediv__(self, o): return _binary("truediv", o, self)
+    def __floordiv__(self, o): return _binary("floordiv", self, o)
+    def __rfloordiv__(self, o): return _binary("floordiv", o, self)
+    def __mod__(self, o): return _binary("mod", self, o)
+    def __rmod__(self, o): return _binary("mod", o, self)
+    def __pow__(self, o): return _binary("pow", self, o)
+    def __rpow__(self, o): return _binary("pow", o, self)
+    def __and__(self, o): return _binary("and", self, o)
+    def __rand__(self, o): return _binary("and", o, self)
+    def __or__(self, o): return _binary("or", self, o)
+    def __ror__(self, o): return _binary("or", o, self)
+    def __xor__(self, o): return _binary("xor", self, o)
+    def __rxor__(self, o): return _binary("xor", o, self)
+    def __lshift__(self, o): return _binary("shl", self, o)
+    def __rlshift__(self, o): return _binary("shl", o, self)
+    def __rshift__(self, o): return _binary("shr", self, o)
+    def __rrshift__(self, o): return _binary("shr", o, self)
+    def __eq__(self, o): return _binary("eq", self, o)
+    def __ne__(self, o): return _binary("ne", self, o)
+    def __lt__(self, o): return _binary("lt", self, o)
+    def __le__(self, o): return _binary("le", self, o)
+    def __gt__(self, o): return _binary("gt", self, o)
+    def __ge__(self, o): return _binary("ge", self, o)
+    def __neg__(self): return _unary("neg", self)
+    def __pos__(self): return self
+    def __abs__(self): return _unary("abs", self)
+    def __invert__(self): return _invert(self)
+
+
+class Proxy(_Operators):
     """Stands in for the score or an index (or any value computed from them) while a mod is traced."""
 
     def __init__(self, tracer: _Tracer, node: int, kind: str):
@@ -205,42 +246,6 @@ class Proxy:
     def numel(self):
         return 1
 
-    # --- arithmetic and comparisons --------------------------------------------------
-    def __add__(self, o): return _binary("add", self, o)
-    def __radd__(self, o): return _binary("add", o, self)
-    def __sub__(self, o): return _binary("sub", self, o)
-    def __rsub__(self, o): return _binary("sub", o, self)
-    def __mul__(self, o): return _binary("mul", self, o)
-    def __rmul__(self, o): return _binary("mul", o, self)
-    def __truediv__(self, o): return _binary("truediv", self, o)
-    def __rtruediv__(self, o): return _binary("truediv", o, self)
-    def __floordiv__(self, o): return _binary("floordiv", self, o)
-    def __rfloordiv__(self, o): return _binary("floordiv", o, self)
-    def __mod__(self, o): return _binary("mod", self, o)
-    def __rmod__(self, o): return _binary("mod", o, self)
-    def __pow__(self, o): return _binary("pow", self, o)
-    def __rpow__(self, o): return _binary("pow", o, self)
-    def __and__(self, o): return _binary("and", self, o)
-    def __rand__(self, o): return _binary("and", o, self)
-    def __or__(self, o): return _binary("or", self, o)
-    def __ror__(self, o): return _binary("or", o, self)
-    def __xor__(self, o): return _binary("xor", self, o)
-    def __rxor__(self, o): return _binary("xor", o, self)
-    def __lshift__(self, o): return _binary("shl", self, o)
-    def __rlshift__(self, o): return _binary("shl", o, self)
-    def __rshift__(self, o): return _binary("shr", self, o)
-    def __rrshift__(self, o): return _binary("shr", o, self)
-    def __eq__(self, o): return _binary("eq", self, o)
-    def __ne__(self, o): return _binary("ne", self, o)
-    def __lt__(self, o): return _binary("lt", self, o)
-    def __le__(self, o): return _binary("le", self, o)
-    def __gt__(self, o): return _binary("gt", self, o)
-    def __ge__(self, o): return _binary("ge", self, o)
-    def __neg__(self): return _unary("neg", self)
-    def __pos__(self): return self
-    def __abs__(self): return _unary("abs", self)
-    def __invert__(self): return _invert(self)
-
     # --- tensor methods ----------------------------------------------------------------
     def __getattr__(self, name):
         if name.startswith("_"):
@@ -260,9 +265,11 @@ class Proxy:
         return _torch_function(func, args, kwargs or {})
 
 
-class View:
+class View(_Operators):
     """A captured tensor indexed with fewer indices than it has dims (``bias[b]`` of a
-    ``[B, L]`` bias): more indexing, or a reduction over what is left, makes a value."""
+    ``[B, L]`` bias). More indexing makes a value; a reduction over what is left is
+    computed on the host (``x[b].sum()`` is ``x.sum(-1)[b]``); combined with traced values
+    it is unrolled into a ``Row`` (``means[q_idx] - means[kv_idx]``)."""
 
     def __init__(self, tracer: _Tracer, tensor, indices: tuple):
         self._tracer, self._tensor, self._indices = tracer, tensor, indices
@@ -281,42 +288,83 @@ class View:
     def dim(self):
         return self._tensor.dim() - len(self._indices)
 
+    ndim = property(dim)
+
+    def numel(self):
+        return self.shape.numel()
+
     @property
     def dtype(self):
         return self._tensor.dtype
 
-    def _reduce(self, name, reduce):
-        # A reduction over the dims no proxy indexes is a tensor the host can compute:
+    def _what(self) -> str:
+        return f"a partly indexed captured tensor (shape {list(self.shape)} left)"
+
+    def _row(self) -> "Row":
+        """Every element this view stands for, one load each (at most ``ROW_LIMIT``)."""
+        _check_row_size(self._tracer, self.shape, self._what())
+        items = [_index(self._tracer, self._tensor, self._indices + rest)
+                 for rest in _positions(self.shape)]
+        return Row(self._tracer, self.shape, items, self._what())
+
+    def _reduce(self, name, reduce, dim=None, keepdim=False):
+        # A reduction over dims no proxy indexes is a tensor the host can compute:
         # x[b].sum() is x.sum(-1)[b]. It is computed at each trace (a buffer derived
         # from x, never memoized past this call, so an in-place update of x is seen).
-        rest = tuple(range(len(self._indices), self._tensor.dim()))
-        if not rest:
+        first = len(self._indices)
+        if not self.dim():
             return _index(self._tracer, self._tensor, self._indices)
-        reduced = reduce(self._tensor, rest)
+        dims = _reduced_dims(self._tracer, self.dim(), dim, f".{name}()")
+        reduced = reduce(self._tensor, tuple(first + d for d in dims), keepdim)
         self._tracer.derived = True
         return _index(self._tracer, reduced, self._indices)
 
-    def sum(self):
-        return self._reduce("sum", lambda t, dims: t.sum(dim=dims))
+    def sum(self, dim=None, keepdim=False, dtype=None):
+        return self._reduce("sum", lambda t, dims, k: t.sum(dim=dims, keepdim=k, dtype=dtype), dim, keepdim)
 
-    def amax(self):
-        return self._reduce("amax", lambda t, dims: t.amax(dim=dims))
+    def amax(self, dim=None, keepdim=False):
+        return self._reduce("amax", lambda t, dims, k: t.amax(dim=dims, keepdim=k), dim, keepdim)
 
-    def amin(self):
-        return self._reduce("amin", lambda t, dims: t.amin(dim=dims))
+    def amin(self, dim=None, keepdim=False):
+        return self._reduce("amin", lambda t, dims, k: t.amin(dim=dims, keepdim=k), dim, keepdim)
 
-    def max(self):
-        return self.amax()
+    def max(self, dim=None, keepdim=False):
+        return self.amax() if dim is None else self._row().max(dim, keepdim)
 
-    def min(self):
-        return self.amin()
+    def min(self, dim=None, keepdim=False):
+        return self.amin() if dim is None else self._row().min(dim, keepdim)
 
-    def mean(self):
-        return self._reduce("mean", lambda t, dims: t.float().mean(dim=dims))
+    def mean(self, dim=None, keepdim=False, dtype=None):
+        return self._reduce("mean", lambda t, dims, k: t.float().mean(dim=dims, keepdim=k), dim, keepdim)
+
+    def any(self, dim=None, keepdim=False):
+        return self._reduce("any", lambda t, dims, k: t.to(torch.bool).any(dim=dims, keepdim=k),
+                            dim, keepdim)
+
+    def all(self, dim=None, keepdim=False):
+        return self._reduce("all", lambda t, dims, k: t.to(torch.bool).all(dim=dims, keepdim=k),
+                            dim, keepdim)
+
+    def prod(self, dim=None, keepdim=False, dtype=None):
+        return self._row().prod(dim, keepdim)
+
+    def __iter__(self):
+        return iter(self._row())
+
+    def __len__(self):
+        return self.shape[0]
+
+    def __matmul__(self, other):
+        return self._row() @ other
+
+    def __rmatmul__(self, other):
+        return other @ self._row()
 
     def __getattr__(self, name):
         if name.startswith("_"):
             raise AttributeError(name)
+        if name in _METHODS or name in Row.__dict__:
+            return getattr(self._row(), name)
         raise self._tracer.fail(
             f".{name} of a partly indexed captured tensor (shape {list(self.shape)} left)",
             "index every dimension (bias[b, q_idx], or bias[b][q_idx]), or reduce the rest "
@@ -328,8 +376,6 @@ class View:
             "index every dimension (bias[b, q_idx], or bias[b][q_idx]), or reduce the rest "
             "with .sum() / .max() / .min() / .mean()")
 
-    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = _not_a_value
-    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __and__ = __or__ = _not_a_value
     __bool__ = __float__ = __int__ = _not_a_value
     __hash__ = object.__hash__
 
@@ -338,11 +384,377 @@ class View:
         return _torch_function(func, args, kwargs or {})
 
 
+# A row is unrolled: each element is its own loads and arithmetic in the kernel, for
+# every score element. torch's compiled kernels unroll small reductions the same way.
+ROW_LIMIT = 64
+
+
+class Row(_Operators):
+    """Several traced values at once, with a shape: a partly indexed captured tensor
+    combined with traced values (``means[q_idx] - means[kv_idx]``, ``topk[b, h, t] == kv_t``).
+
+    Every element is a ``Proxy``; shapes broadcast as in torch. A reduction
+    (``.sum(-1)``, ``.any(-1)``, ``.max()``, ``torch.dot``) gives one value again; a row
+    itself cannot be the mod's result. At most ``ROW_LIMIT`` elements.
+    """
+
+    def __init__(self, tracer: _Tracer, shape, items, what: str):
+        self._tracer, self._shape, self._items, self._what = tracer, tuple(shape), list(items), what
+
+    # --- what torch code reads ---------------------------------------------------------
+    @property
+    def shape(self):
+        return torch.Size(self._shape)
+
+    def size(self, dim=None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def dim(self):
+        return len(self._shape)
+
+    ndim = property(dim)
+
+    def numel(self):
+        return len(self._items)
+
+    @property
+    def dtype(self):
+        return self._items[0].dtype
+
+    @property
+    def device(self):
+        return torch.device("meta")
+
+    def __len__(self):
+        return self._shape[0]
+
+    def __iter__(self):
+        return (self[i] for i in range(self._shape[0]))
+
+    # --- shape operations: torch's own, on a tensor of element numbers -----------------
+    def _rearranged(self, order: torch.Tensor):
+        if order.dim() == 0:
+            return self._items[int(order)]
+        _check_row_size(self._tracer, order.shape, self._what)
+        return Row(self._tracer, order.shape, [self._items[i] for i in order.reshape(-1).tolist()],
+                   self._what)
+
+    def _numbers(self) -> torch.Tensor:
+        return torch.arange(len(self._items)).reshape(self._shape)
+
+    def __getitem__(self, key):
+        parts = _expand_key(self._tracer, key, self.dim())
+        if any(isinstance(k, (Row, View)) for k in parts):
+            raise self._tracer.fail(f"{self._what} was indexed with a row of positions",
+                                    "index it with one traced position, Python ints or slices")
+        static, picks = _static_key(parts)
+        picked = self._rearranged(self._numbers()[tuple(static)])
+        # A traced position selects along its dim: a chain of torch.where over the positions.
+        for d, index in reversed(picks):
+            picked = _select(picked, d, index)
+        return picked
+
+    def _shaped(name):
+        def method(self, *args, **kwargs):
+            args = tuple(a.shape if isinstance(a, (Row, View, Proxy)) and name == "expand_as"
+                         else a for a in args)
+            target = "expand" if name == "expand_as" else name
+            return self._rearranged(getattr(self._numbers(), target)(*args, **kwargs))
+        method.__name__ = name
+        return method
+
+    unsqueeze, squeeze, view, reshape, flatten, expand, expand_as, permute, transpose, t, flip, \
+        movedim = map(_shaped, ("unsqueeze", "squeeze", "view", "reshape", "flatten", "expand",
+                                "expand_as", "permute", "transpose", "t", "flip", "movedim"))
+    del _shaped
+
+    def contiguous(self, *args, **kwargs):
+        return self
+
+    clone = detach = contiguous
+
+    # --- reductions -----------------------------------------------------------------
+    def _fold(self, name, combine, dim=None, keepdim=False, prepare=None):
+        """``combine`` over the reduced dims, element by element (one value, or a row)."""
+        dims = _reduced_dims(self._tracer, self.dim(), dim, f".{name}()")
+        kept = [d for d in range(self.dim()) if d not in dims]
+        numbers = self._numbers().permute(*kept, *dims)
+        groups = numbers.reshape(-1, math.prod(self._shape[d] for d in dims))
+        out = []
+        for group in groups.tolist():
+            items = [self._items[i] for i in group]
+            if prepare is not None:
+                items = [prepare(x) for x in items]
+            acc = items[0]
+            for x in items[1:]:
+                acc = combine(acc, x)
+            out.append(acc)
+        shape = [1 if d in dims else n for d, n in enumerate(self._shape)] if keepdim else \
+            [self._shape[d] for d in kept]
+        return out[0] if not shape else Row(self._tracer, shape, out, self._what)
+
+    def sum(self, dim=None, keepdim=False, dtype=None):
+        # torch sums bools as integers (a count), never as a logical or.
+        count = (lambda x: _cast(x, torch.int32)) if self.dtype == torch.bool else None
+        return self._fold("sum", lambda a, b: _binary("add", a, b), dim, keepdim, count)
+
+    def prod(self, dim=None, keepdim=False, dtype=None):
+        count = (lambda x: _cast(x, torch.int32)) if self.dtype == torch.bool else None
+        return self._fold("prod", lambda a, b: _binary("mul", a, b), dim, keepdim, count)
+
+    def mean(self, dim=None, keepdim=False, dtype=None):
+        dims = _reduced_dims(self._tracer, self.dim(), dim, ".mean()")
+        n = math.prod(self._shape[d] for d in dims)
+        return _binary("truediv", self.sum(dim, keepdim), float(n))
+
+    def amax(self, dim=None, keepdim=False):
+        return self._fold("amax", lambda a, b: _binary("maximum", a, b), dim, keepdim)
+
+    def amin(self, dim=None, keepdim=False):
+        return self._fold("amin", lambda a, b: _binary("minimum", a, b), dim, keepdim)
+
+    def any(self, dim=None, keepdim=False):
+        return self._fold("any", lambda a, b: _binary("or", a, b), dim, keepdim, _bool_of)
+
+    def all(self, dim=None, keepdim=False):
+        return self._fold("all", lambda a, b: _binary("and", a, b), dim, keepdim, _bool_of)
+
+    def _arg(self, name, better, dim=None, keepdim=False):
+        """(value, position) of the extreme along ``dim`` (the first one, as torch returns);
+        positions count along ``dim``, or in the flattened row for dim=None."""
+        if dim is None:
+            flat = Row(self._tracer, (len(self._items),), self._items, self._what)
+            return flat._arg(name, better, 0)
+        d = _reduced_dims(self._tracer, self.dim(), dim, f".{name}()")[0]
+        along = torch.arange(self._shape[d]).reshape([-1 if i == d else 1 for i in range(self.dim())])
+        positions = along.expand(self._shape).reshape(-1).tolist()
+        pairs = Row(self._tracer, self._shape,
+                    [(x, _const(self._tracer, p)) for x, p in zip(self._items, positions)], self._what)
+
+        def pick(a, b):
+            take = _binary(better, b[0], a[0])
+            return (_where(take, b[0], a[0]), _where(take, b[1], a[1]))
+        return pairs._fold(name, pick, d, keepdim)
+
+    def argmax(self, dim=None, keepdim=False):
+        return _second(self._arg("argmax", "gt", dim, keepdim))
+
+    def argmin(self, dim=None, keepdim=False):
+        return _second(self._arg("argmin", "lt", dim, keepdim))
+
+    def max(self, dim=None, keepdim=False):
+        if dim is None:
+            return self.amax()
+        if isinstance(dim, (Proxy, View, Row, torch.Tensor)):
+            return _binary("maximum", self, dim)             # torch.max(a, b)
+        pairs = self._arg("max", "gt", dim, keepdim)
+        return _MinMax(_first(pairs), _second(pairs))
+
+    def min(self, dim=None, keepdim=False):
+        if dim is None:
+            return self.amin()
+        if isinstance(dim, (Proxy, View, Row, torch.Tensor)):
+            return _binary("minimum", self, dim)
+        pairs = self._arg("min", "lt", dim, keepdim)
+        return _MinMax(_first(pairs), _second(pairs))
+
+    def norm(self, p=2, dim=None, keepdim=False, dtype=None):
+        if p in (2, 2.0, "fro"):
+            return _unary("sqrt", (self * self).sum(dim, keepdim))
+        if p in (1, 1.0):
+            return _unary("abs", self).sum(dim, keepdim)
+        raise self._tracer.fail(f".norm(p={p!r}) of {self._what}", "use p=2 or p=1, or write the sum out")
+
+    def dot(self, other):
+        return (self * other).sum()
+
+    __matmul__ = dot
+
+    def __rmatmul__(self, other):
+        return (other * self).sum()
+
+    # --- everything else: the proxies' methods, element by element ------------------
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        method = _METHODS.get(name)
+        if method is not None:
+            return lambda *args, **kwargs: method(self, *args, **kwargs)
+        raise self._tracer.fail(f".{name} of {self._what} is not supported",
+                                "use elementwise torch functions and reduce with .sum() / "
+                                ".max() / .any() / torch.dot")
+
+    def _not_a_value(self, *args, **kwargs):
+        raise _row_used_as_value(self)
+
+    __bool__ = __float__ = __int__ = __index__ = _not_a_value
+    __hash__ = object.__hash__
+
+    def __repr__(self):
+        return f"Row({list(self._shape)}, {self.dtype})"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _torch_function(func, args, kwargs or {})
+
+
+class _MinMax(tuple):
+    """``(values, indices)`` of ``.max(dim)`` / ``.min(dim)``, as torch's named tuple."""
+    values = property(lambda self: self[0])
+    indices = property(lambda self: self[1])
+
+    def __new__(cls, values, indices):
+        return super().__new__(cls, (values, indices))
+
+
+def _pairwise(fn):
+    def pick(pairs):
+        if isinstance(pairs, Row):
+            return Row(pairs._tracer, pairs._shape, [fn(p) for p in pairs._items], pairs._what)
+        return fn(pairs)
+    return pick
+
+
+_first = _pairwise(lambda p: p[0])
+_second = _pairwise(lambda p: p[1])
+
+
+def _bool_of(x):
+    return _as_bool(_operand(x._tracer, x))
+
+
+def _positions(shape) -> list:
+    return [tuple(int(i) for i in idx) for idx in itertools.product(*(range(n) for n in shape))]
+
+
+def _check_row_size(tracer: _Tracer, shape, what: str) -> None:
+    numel = math.prod(shape)
+    if numel > ROW_LIMIT:
+        raise tracer.fail(
+            f"{what} is combined with traced values element by element: {numel} elements "
+            f"(shape {list(shape)}), more than the {ROW_LIMIT} flexgen unrolls per score element",
+            "compute the reduction outside the mod into a table indexed by positions "
+            "(e.g. dist = torch.cdist(means, means); use dist[q_idx, kv_idx]), or reduce "
+            "the captured tensor alone first (x[b].sum(-1) is computed once, outside the kernel)")
+
+
+def _is_position(k) -> bool:
+    """A traced position or a 0-d integer tensor: an index that removes its dim, chosen at run time."""
+    return isinstance(k, Proxy) or (isinstance(k, torch.Tensor) and not isinstance(k, (View, Row))
+                                    and k.dim() == 0 and not k.dtype.is_floating_point)
+
+
+def _expand_key(tracer: _Tracer, key, ndim: int) -> list:
+    """``key`` as a list with its Ellipsis spelled out as slices."""
+    parts = list(key) if isinstance(key, tuple) else [key]
+    if sum(k is Ellipsis for k in parts) > 1:
+        raise tracer.fail("an index with two '...'", "use at most one Ellipsis, as in torch")
+    if any(k is Ellipsis for k in parts):                 # (identity: == on a proxy traces)
+        i = next(n for n, k in enumerate(parts) if k is Ellipsis)
+        used = sum(k is not None for k in parts) - 1
+        parts[i:i + 1] = [slice(None)] * max(0, ndim - used)
+    return parts
+
+
+def _static_key(parts: list) -> tuple:
+    """(key with each traced position replaced by ``:``, [(output dim, position)]): applying
+    the key keeps a dim where a position is; selecting along it afterwards removes it."""
+    static, picks, out = [], [], 0
+    for k in parts:
+        if _is_position(k):
+            picks.append((out, k))
+            static.append(slice(None))
+            out += 1
+        else:
+            static.append(k)
+            out += 0 if isinstance(k, int) else 1
+    return static, picks
+
+
+def _select(row: "Row", d: int, index):
+    """``row`` at traced position ``index`` along dim ``d``."""
+    n = row.shape[d]
+    i = _operand(row._tracer, index)
+    i = _where(_binary("lt", i, 0), _binary("add", i, n), i)      # -1 is the last, as in torch
+    lead = (slice(None),) * d
+    picked = row[lead + (0,)]
+    for j in range(1, n):
+        picked = _where(_binary("eq", i, j), row[lead + (j,)], picked)
+    return picked
+
+
+def _reduced_dims(tracer: _Tracer, ndim: int, dim, what: str) -> list:
+    if dim is None:
+        return list(range(ndim))
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    out = []
+    for d in dims:
+        if not isinstance(d, int) or isinstance(d, bool) or not -max(ndim, 1) <= d < max(ndim, 1):
+            raise tracer.fail(f"{what} over dim={dim!r} of a value with {ndim} dims",
+                              f"pass dims from {-ndim} to {ndim - 1}")
+        out.append(d % max(ndim, 1))
+    return sorted(set(out))
+
+
+def _row_used_as_value(row: "Row"):
+    return row._tracer.fail(
+        f"{row._what} was used where one value is needed (it has shape {list(row._shape)})",
+        "index every dimension (bias[b, q_idx], or bias[b][q_idx]), or reduce the rest to one "
+        "value with .sum(-1) / .max() / .any(-1) / torch.dot(a, b)")
+
+
+def _rows_in(values) -> list:
+    return [v for v in values if isinstance(v, (Row, View))]
+
+
+def _as_row(value) -> "Row":
+    return value._row() if isinstance(value, View) else value
+
+
+def _map_rows(fn, args: tuple, kwargs: dict):
+    """``fn`` applied element by element where arguments are rows (broadcast as in torch)."""
+    rows = {i: _as_row(a) for i, a in enumerate(args) if isinstance(a, (Row, View))}
+    krows = {k: _as_row(v) for k, v in kwargs.items() if isinstance(v, (Row, View))}
+    every = list(rows.values()) + list(krows.values())
+    tracer, what = every[0]._tracer, every[0]._what
+    try:
+        shape = tuple(torch.broadcast_shapes(*(r.shape for r in every)))
+    except RuntimeError:
+        raise tracer.fail("rows of shapes " + ", ".join(str(list(r.shape)) for r in every)
+                          + " were combined", "give them shapes that broadcast, as in torch") from None
+    _check_row_size(tracer, shape, what)
+
+    def element(row, position):
+        # Broadcasting: dims of size 1 repeat, missing leading dims are implied.
+        own = position[len(shape) - row.dim():]
+        flat = 0
+        for size, i in zip(row._shape, own):
+            flat = flat * size + (0 if size == 1 else i)
+        return row._items[flat]
+
+    items = []
+    for position in _positions(shape):
+        a = tuple(element(rows[i], position) if i in rows else v for i, v in enumerate(args))
+        k = {n: element(krows[n], position) if n in krows else v for n, v in kwargs.items()}
+        items.append(fn(*a, **k))
+    return items[0] if not shape else Row(tracer, shape, items, what)
+
+
+def _elementwise(fn):
+    """Lets a builder of one traced value take rows: then it builds one value per element."""
+    def wrapped(*args, **kwargs):
+        if any(isinstance(v, (Row, View)) for v in (*args, *kwargs.values())):
+            return _map_rows(fn, args, kwargs)
+        return fn(*args, **kwargs)
+    wrapped.__name__, wrapped.__doc__ = fn.__name__, fn.__doc__
+    return wrapped
+
+
 # ---------------------------------------------------------------------------- building lines
 
 def _tracer_of(*values) -> _Tracer | None:
     for v in values:
-        if isinstance(v, (Proxy, View)):
+        if isinstance(v, (Proxy, View, Row)):
             return v._tracer
     return None
 
@@ -365,6 +777,8 @@ def _operand(tracer: _Tracer, value) -> Proxy:
         return value
     if isinstance(value, View):
         value._not_a_value()
+    if isinstance(value, Row):
+        raise _row_used_as_value(value)
     if isinstance(value, torch.Tensor):
         if value.dim() != 0:
             raise tracer.fail(f"a captured tensor of shape {list(value.shape)} was used as a value",
@@ -399,6 +813,7 @@ def _line(op: str, kind: str, *operands: Proxy) -> str:
     return f"{op} {kind} " + " ".join(f"%{p._node}" for p in operands)
 
 
+@_elementwise
 def _binary(op: str, a, b) -> Proxy:
     tracer = _tracer_of(a, b)
     pa, pb = _operand(tracer, a), _operand(tracer, b)
@@ -432,6 +847,7 @@ def _negative_const(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0
 
 
+@_elementwise
 def _unary(op: str, x) -> Proxy:
     tracer = _tracer_of(x)
     p = _operand(tracer, x)
@@ -449,6 +865,7 @@ def _unary(op: str, x) -> Proxy:
     return _proxy(tracer, _line(op, "f", p), "f")
 
 
+@_elementwise
 def _invert(x) -> Proxy:
     tracer = _tracer_of(x)
     p = _operand(tracer, x)
@@ -464,6 +881,7 @@ def _as_bool(p: Proxy) -> Proxy:
     return _proxy(p._tracer, _line("ne", "b", p, _const(p._tracer, 0)), "b")
 
 
+@_elementwise
 def _where(cond, a, b) -> Proxy:
     tracer = _tracer_of(cond, a, b)
     c = _operand(tracer, cond)
@@ -473,6 +891,7 @@ def _where(cond, a, b) -> Proxy:
     return _proxy(tracer, _line("where", kind, c, _operand(tracer, a), _operand(tracer, b)), kind)
 
 
+@_elementwise
 def _clamp(x, min=None, max=None) -> Proxy:
     out = x
     if min is not None:
@@ -482,6 +901,7 @@ def _clamp(x, min=None, max=None) -> Proxy:
     return _operand(_tracer_of(x, min, max), out)
 
 
+@_elementwise
 def _cast(x, dtype) -> Proxy:
     tracer = _tracer_of(x)
     p = _operand(tracer, x)
@@ -510,6 +930,7 @@ def _to(x, *args, **kwargs) -> Proxy:
     return _cast(x, dtype)
 
 
+@_elementwise
 def _full(like, value, dtype=None) -> Proxy:
     """A constant with torch's dtype for ``x.new_full((), value)`` and friends."""
     tracer = _tracer_of(like)
@@ -564,9 +985,8 @@ _METHODS.update({
     "floor_divide": lambda x, o: _binary("floordiv", x, o),
     "remainder": lambda x, o: _binary("mod", x, o), "pow": lambda x, o: _binary("pow", x, o),
     "minimum": lambda x, o: _binary("minimum", x, o), "maximum": lambda x, o: _binary("maximum", x, o),
-    "logical_and": lambda x, o: _binary("and", _as_bool(_operand(x._tracer, x)), _bool_operand(x, o)),
-    "logical_or": lambda x, o: _binary("or", _as_bool(_operand(x._tracer, x)), _bool_operand(x, o)),
-    "logical_xor": lambda x, o: _binary("xor", _as_bool(_operand(x._tracer, x)), _bool_operand(x, o)),
+    "logical_and": lambda x, o: _logical("and", x, o), "logical_or": lambda x, o: _logical("or", x, o),
+    "logical_xor": lambda x, o: _logical("xor", x, o),
     "bitwise_and": lambda x, o: _binary("and", x, o), "bitwise_or": lambda x, o: _binary("or", x, o),
     "bitwise_xor": lambda x, o: _binary("xor", x, o),
     "bitwise_left_shift": lambda x, o: _binary("shl", x, o),
@@ -592,13 +1012,28 @@ _METHODS.update({
     "expand": lambda x, *a, **k: x, "expand_as": lambda x, *a, **k: x,
     "contiguous": lambda x, *a, **k: x, "clone": lambda x, *a, **k: x,
     "detach": lambda x: x, "cpu": lambda x: x, "cuda": lambda x, *a, **k: x,
+    # A traced value is one element: reducing it keeps it (torch's rules for a 0-d tensor).
     "sum": lambda x, *a, **k: x, "amax": lambda x, *a, **k: x, "amin": lambda x, *a, **k: x,
+    "prod": lambda x, *a, **k: x, "mean": lambda x, *a, **k: _cast(x, torch.float32),
+    "max": lambda x, *a, **k: _scalar_extreme(x, "maximum", *a, **k),
+    "min": lambda x, *a, **k: _scalar_extreme(x, "minimum", *a, **k),
     "any": lambda x, *a, **k: _cast(x, torch.bool), "all": lambda x, *a, **k: _cast(x, torch.bool),
 })
 
 
-def _bool_operand(x, o):
-    return _as_bool(_operand(x._tracer, o))
+@_elementwise
+def _logical(op, a, b):
+    tracer = _tracer_of(a, b)
+    return _binary(op, _as_bool(_operand(tracer, a)), _as_bool(_operand(tracer, b)))
+
+
+def _scalar_extreme(x, op, other=None, keepdim=False):
+    """``x.max()``, ``x.max(other)`` (elementwise) or ``x.max(dim)`` (values, indices) of one value."""
+    if other is None:
+        return x
+    if isinstance(other, (Proxy, View, Row, torch.Tensor, float)):
+        return _binary(op, x, other)
+    return _MinMax(x, _const(x._tracer, 0))
 
 
 def _div(x, o, rounding_mode):
@@ -668,8 +1103,7 @@ def _functions() -> dict:
         add(fn, getattr(torch, name, None), getattr(torch.Tensor, name, None), *aten_op(name))
     for name in ("logical_and", "logical_or", "logical_xor"):
         op = name.split("_")[1]
-        fn = (lambda o: lambda a, b, *r, **k: _binary(
-            o, _as_bool(_operand(_tracer_of(a, b), a)), _as_bool(_operand(_tracer_of(a, b), b))))(op)
+        fn = (lambda o: lambda a, b, *r, **k: _logical(o, a, b))(op)
         add(fn, getattr(torch, name), getattr(torch.Tensor, name), *aten_op(name))
     dunders = {"__add__": ("add", False), "__radd__": ("add", True), "__sub__": ("sub", False),
                "__rsub__": ("sub", True), "__mul__": ("mul", False), "__rmul__": ("mul", True),
@@ -707,6 +1141,10 @@ def _functions() -> dict:
     add(lambda x, *a, **k: _operand(_tracer_of(x), x), *aten_op("alias"), *aten_op("clone"),
         *aten_op("detach"), *aten_op("lift_fresh"))
     table[torch.Tensor.__getitem__] = table[operator.getitem] = _getitem
+    for name in ("sum", "mean", "amax", "amin", "max", "min", "any", "all", "prod", "argmax",
+                 "argmin", "norm", "dot"):
+        add(_reducing(name), getattr(torch, name, None), getattr(torch.Tensor, name, None))
+    add(_reducing("dot"), torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.inner)
     # torch.export (strict) hands a mode Python's operators rather than Tensor's dunders.
     for name, op in (("add", "add"), ("sub", "sub"), ("mul", "mul"), ("truediv", "truediv"),
                      ("floordiv", "floordiv"), ("mod", "mod"), ("pow", "pow"), ("and_", "and"),
@@ -717,6 +1155,20 @@ def _functions() -> dict:
     table[operator.abs] = lambda x: _unary("abs", x)
     table[operator.invert] = _invert
     return table
+
+
+def _reducing(name):
+    """torch.<name>(x, ...): a row's reduction (unrolled), a partly indexed captured
+    tensor's (on the host where it can be), or a traced value's (it is one element)."""
+    def call(x, *args, **kwargs):
+        if isinstance(x, (Row, View)):
+            return getattr(x, name)(*args, **kwargs)
+        method = _METHODS.get(name)
+        if method is None:
+            raise _tracer_of(x, *args).fail(f"torch.{name} of one traced value",
+                                            f"torch.{name} needs a row (a partly indexed captured tensor)")
+        return method(x, *args, **kwargs)
+    return call
 
 
 def _getitem(tensor, index):
@@ -771,8 +1223,17 @@ def _qualified(func) -> str:
 
 def _index(tracer: _Tracer, t, indices: tuple):
     """``t[indices]`` for a captured tensor: a load (every dim indexed) or a ``View``."""
-    if isinstance(t, (Proxy, View)):
+    if isinstance(t, (Proxy, View, Row)):
         raise tracer.fail("a traced value was indexed", "index captured tensors only")
+    if any(i is None or i is Ellipsis or isinstance(i, slice) for i in indices):
+        return _sliced(tracer, t, indices)
+    if any(isinstance(i, (Row, View)) for i in indices):
+        # A row of positions (table[ids[b]] with ids[b] a row): one load per element.
+        if len(indices) < t.dim():
+            raise tracer.fail(f"a captured tensor of shape {list(t.shape)} was indexed with a row "
+                              f"of positions and {len(indices)} indices",
+                              f"give all {t.dim()} indices when one of them is a row")
+        return _map_rows(lambda *ix: _index(tracer, t, ix), tuple(indices), {})
     if t.dtype not in KIND_OF_DTYPE:
         raise tracer.fail(f"captured tensor dtype {t.dtype} is not supported",
                           "use a bool, integer or floating tensor")
@@ -803,6 +1264,30 @@ def _index(tracer: _Tracer, t, indices: tuple):
     slot = tracer.slot(t)
     kind = KIND_OF_DTYPE[t.dtype]
     return _proxy(tracer, f"load {kind} {slot} " + " ".join(f"%{p._node}" for p in nodes), kind)
+
+
+def _sliced(tracer: _Tracer, t, indices: tuple):
+    """``t[indices]`` with slices, None or ... among the positions (``bias[q_idx, 1:]``).
+
+    The slices apply to the captured tensor itself (a view, no copy); a traced position
+    removes its dim as in torch, so the dims left, in order, are those of the result.
+    """
+    parts = _expand_key(tracer, indices, t.dim())
+    if any(isinstance(k, (Row, View)) for k in parts):
+        raise tracer.fail("a captured tensor was indexed with a row of positions and a slice",
+                          "index it with one traced position per dim, Python ints or slices")
+    static, picks = _static_key(parts)
+    moved = t[tuple(static)]
+    dims = [d for d, _ in picks]
+    moved = moved.movedim(dims, list(range(len(dims)))) if dims else moved
+    if not picks:
+        return _row_of_tensor(tracer, moved)
+    return _index(tracer, moved, tuple(k for _, k in picks))
+
+
+def _row_of_tensor(tracer: _Tracer, t):
+    """A captured tensor sliced statically (``bias[1:3]``): a row of its elements."""
+    return View(tracer, t, ())._row() if t.dim() else _index(tracer, t, ())
 
 
 # ---------------------------------------------------------------------------- entry points
