@@ -212,6 +212,9 @@ class TritonPrinter:
         x, _ = self.temp(self.as_float(e.args[0]), "float")
         return f"(tl.sin({x}) / tl.cos({x}))", "float"
 
+    def _print_erf(self, e):
+        return f"tl.erf({self.as_float(e.args[0])})", "float"
+
     def _print_Sigmoid(self, e):
         return f"tl.sigmoid({self.as_float(e.args[0])})", "float"
 

@@ -181,6 +181,7 @@ class _Converter:
     def op_sin(self, node, a): return sympy.sin(self._num(a))
     def op_cos(self, node, a): return sympy.cos(self._num(a))
     def op_tan(self, node, a): return sympy.tan(self._num(a))
+    def op_erf(self, node, a): return sympy.erf(self._num(a))
     def op_silu(self, node, a): return self._num(a) * Sigmoid(self._num(a))
     def op_relu(self, node, a): return sympy.Max(self._num(a), 0)
     def op_shl(self, node, a, b): return self._num(a) * sympy.Integer(2) ** self._num(b)

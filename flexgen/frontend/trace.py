@@ -52,7 +52,7 @@ KIND_OF_DTYPE = {
 DTYPE_NAMES = {dt: str(dt).replace("torch.", "") for dt in KIND_OF_DTYPE}
 _RANK = {"b": 0, "i": 1, "f": 2}
 
-UNARY = ("exp", "exp2", "log", "log2", "sqrt", "rsqrt", "tanh", "sigmoid", "sin", "cos", "tan",
+UNARY = ("exp", "exp2", "log", "log2", "sqrt", "rsqrt", "tanh", "sigmoid", "sin", "cos", "tan", "erf",
          "abs", "sign", "floor", "ceil", "neg", "not", "bitnot", "silu", "relu")
 BINARY = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "minimum", "maximum",
           "and", "or", "xor", "shl", "shr", "eq", "ne", "lt", "le", "gt", "ge")
@@ -1084,6 +1084,19 @@ def _functions() -> dict:
         torch.Tensor.__neg__)
     add(lambda x, *a, **k: _unary("silu", x), F.silu, *aten_op("silu"))
     add(lambda x, *a, **k: _unary("relu", x), F.relu, torch.relu, torch.Tensor.relu, *aten_op("relu"))
+    # Activations and helpers torch has as one function: their formulas in the ops above.
+    add(_gelu, F.gelu, *aten_op("gelu"))
+    add(_softplus, F.softplus, *aten_op("softplus"))
+    add(lambda x, *a, **k: _unary("neg", _softplus(_unary("neg", x))), F.logsigmoid,
+        *aten_op("log_sigmoid"))
+    add(_leaky_relu, F.leaky_relu, *aten_op("leaky_relu"))
+    add(lambda x, *a, **k: _binary("mul", x, x), torch.square, torch.Tensor.square, *aten_op("square"))
+    add(lambda x, *a, **k: _binary("truediv", 1.0, x), torch.reciprocal, torch.Tensor.reciprocal,
+        *aten_op("reciprocal"))
+    add(lambda x, *a, **k: _unary("log", _binary("add", x, 1.0)), torch.log1p, torch.Tensor.log1p,
+        *aten_op("log1p"))
+    add(lambda x, *a, **k: _binary("sub", _unary("exp", x), 1.0), torch.expm1, torch.Tensor.expm1,
+        *aten_op("expm1"))
     add(lambda x, *a, **k: _unary("not", x), torch.logical_not, torch.Tensor.logical_not,
         *aten_op("logical_not"))
     add(_invert, torch.bitwise_not, torch.Tensor.bitwise_not, torch.Tensor.__invert__,
@@ -1157,6 +1170,29 @@ def _functions() -> dict:
     return table
 
 
+def _gelu(x, approximate="none"):
+    """torch's gelu: x * Phi(x) with erf, or its tanh approximation."""
+    if approximate == "tanh":
+        cube = _binary("mul", _binary("mul", x, x), x)
+        inner = _binary("mul", math.sqrt(2.0 / math.pi), _binary("add", x, _binary("mul", 0.044715, cube)))
+        return _binary("mul", _binary("mul", 0.5, x), _binary("add", 1.0, _unary("tanh", inner)))
+    if approximate != "none":
+        raise _tracer_of(x).fail(f"gelu(approximate={approximate!r})", "use 'none' or 'tanh', as torch")
+    phi = _binary("add", 1.0, _unary("erf", _binary("mul", x, math.sqrt(0.5))))
+    return _binary("mul", _binary("mul", 0.5, x), phi)
+
+
+def _softplus(x, beta=1.0, threshold=20.0):
+    """torch's softplus: log(1 + exp(beta x)) / beta, x itself where beta x > threshold."""
+    bx = _binary("mul", x, beta)
+    smooth = _binary("truediv", _unary("log", _binary("add", _unary("exp", bx), 1.0)), beta)
+    return _where(_binary("gt", bx, threshold), _cast(x, torch.float32), smooth)
+
+
+def _leaky_relu(x, negative_slope=0.01, inplace=False):
+    return _where(_binary("gt", x, 0), x, _binary("mul", x, negative_slope))
+
+
 def _reducing(name):
     """torch.<name>(x, ...): a row's reduction (unrolled), a partly indexed captured
     tensor's (on the host where it can be), or a traced value's (it is one element)."""
@@ -1180,6 +1216,8 @@ def _getitem(tensor, index):
 
 _FUNCTION_NAMES = set(UNARY) | {"where", "clamp", "minimum", "maximum", "masked_fill", "to",
                                 "new_ones", "new_zeros", "new_full", "ones_like", "zeros_like",
+                                "gelu", "softplus", "logsigmoid", "leaky_relu", "square",
+                                "reciprocal", "log1p", "expm1",
                                 "full_like"}
 
 
