@@ -33,6 +33,7 @@ import itertools
 import math
 import operator
 import os
+import traceback
 import types
 from dataclasses import dataclass, field
 
@@ -1229,6 +1230,13 @@ def _torch_function(func, args, kwargs):
         if name.endswith("_") and not name.endswith("__"):
             raise tracer.fail(f"in-place operation {name}() on a traced value",
                               f"use the out-of-place form {name[:-1]}()")
+        if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) \
+                and _qualified(func).split("::")[0] not in ("aten", "prims"):
+            raise tracer.fail(
+                f"the custom operator '{_qualified(func)}' is called on a traced value; flexgen "
+                "builds the kernel from the mod's own torch operations and cannot see inside it",
+                "write the operator's formula in the mod with torch functions (e.g. torch.tanh "
+                "for a fast tanh); flexgen picks the kernel's instructions itself")
         raise tracer.fail(f"torch function '{_qualified(func)}' is not supported in a mod",
                           "use arithmetic, comparisons, torch.where and the elementwise functions "
                           + " ".join(sorted(_FUNCTION_NAMES)))
@@ -1252,6 +1260,10 @@ class _TraceMode(torch.overrides.TorchFunctionMode):
 
 
 def _qualified(func) -> str:
+    if isinstance(func, torch._ops.OpOverloadPacket):
+        return func._qualified_op_name                          # "approx::tanh"
+    if isinstance(func, torch._ops.OpOverload):
+        return f"{func.name()}.{func._overloadname}"            # "aten::cumsum.default"
     module = getattr(func, "__module__", None) or ""
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or str(func)
     return f"{module}.{name}" if module and not str(name).startswith(module) else str(name)
@@ -1347,6 +1359,16 @@ def _check_arity(mod, kind: str, names: tuple) -> None:
             f"Fix: define it as def {name}({', '.join(names)}): ...") from None
 
 
+def _autograd_function(exc) -> str | None:
+    """The name of the torch.autograd.Function whose apply() raised ``exc``, if one did."""
+    for frame, _ in traceback.walk_tb(exc.__traceback__):
+        code = frame.f_code
+        if code.co_name == "apply" and code.co_filename.endswith(os.path.join("autograd", "function.py")):
+            cls = frame.f_locals.get("cls")
+            return getattr(cls, "__name__", "?")
+    return None
+
+
 def trace(mod, kind: str) -> TracedMod:
     """Trace ``mod`` (``kind`` is "score_mod" or "mask_mod") into a ``TracedMod``."""
     if not callable(mod):
@@ -1365,6 +1387,13 @@ def trace(mod, kind: str) -> TracedMod:
     except Exception as exc:  # the mod itself failed on our proxies
         if torch.compiler.is_compiling():
             raise             # (dynamo reports the mod's own exception, and where it happened)
+        function = _autograd_function(exc)
+        if function is not None:
+            raise reported(TraceError(
+                f"{kind} '{tracer.name}': the torch.autograd.Function '{function}' is applied to "
+                "traced values; flexgen derives the gradient from the mod's own operations and "
+                "cannot keep a custom backward. Fix: write the Function's forward computation "
+                "directly in the mod (flexgen differentiates it)")) from exc
         raise reported(TraceError(
             f"{kind} '{tracer.name}': calling it with traced values raised "
             f"{type(exc).__name__}: {exc}. Fix: use only arithmetic, comparisons, "
