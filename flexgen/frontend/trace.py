@@ -29,7 +29,6 @@ to three kinds the kernel computes in: ``b`` (bool), ``i`` (int32) and ``f``
 from __future__ import annotations
 
 import inspect
-import itertools
 import math
 import operator
 import os
@@ -432,16 +431,15 @@ class Row(_Operators):
     def __iter__(self):
         return (self[i] for i in range(self._shape[0]))
 
-    # --- shape operations: torch's own, on a tensor of element numbers -----------------
-    def _rearranged(self, order: torch.Tensor):
-        if order.dim() == 0:
-            return self._items[int(order)]
-        _check_row_size(self._tracer, order.shape, self._what)
-        return Row(self._tracer, order.shape, [self._items[i] for i in order.reshape(-1).tolist()],
-                   self._what)
+    # --- shape operations (plain Python on element numbers: torch.compile traces it) ----
+    def _regrid(self, shape, numbers):
+        if not shape:
+            return self._items[numbers[0]]
+        _check_row_size(self._tracer, shape, self._what)
+        return Row(self._tracer, shape, [self._items[i] for i in numbers], self._what)
 
-    def _numbers(self) -> torch.Tensor:
-        return torch.arange(len(self._items)).reshape(self._shape)
+    def _grid(self):
+        return self._shape, list(range(len(self._items)))
 
     def __getitem__(self, key):
         parts = _expand_key(self._tracer, key, self.dim())
@@ -449,25 +447,86 @@ class Row(_Operators):
             raise self._tracer.fail(f"{self._what} was indexed with a row of positions",
                                     "index it with one traced position, Python ints or slices")
         static, picks = _static_key(parts)
-        picked = self._rearranged(self._numbers()[tuple(static)])
+        try:
+            picked = self._regrid(*_grid_index(*self._grid(), static))
+        except IndexError as err:
+            raise self._tracer.fail(f"{self._what} was indexed with {key!r}: {err}",
+                                    "index within its shape, as in torch") from None
         # A traced position selects along its dim: a chain of torch.where over the positions.
         for d, index in reversed(picks):
             picked = _select(picked, d, index)
         return picked
 
-    def _shaped(name):
-        def method(self, *args, **kwargs):
-            args = tuple(a.shape if isinstance(a, (Row, View, Proxy)) and name == "expand_as"
-                         else a for a in args)
-            target = "expand" if name == "expand_as" else name
-            return self._rearranged(getattr(self._numbers(), target)(*args, **kwargs))
-        method.__name__ = name
-        return method
+    def reshape(self, *shape):
+        try:
+            return self._regrid(*_grid_reshape(*self._grid(), _sizes(shape)))
+        except ValueError as err:
+            raise self._tracer.fail(f"{self._what} was reshaped: {err}",
+                                    "keep the number of elements, as in torch") from None
 
-    unsqueeze, squeeze, view, reshape, flatten, expand, expand_as, permute, transpose, t, flip, \
-        movedim = map(_shaped, ("unsqueeze", "squeeze", "view", "reshape", "flatten", "expand",
-                                "expand_as", "permute", "transpose", "t", "flip", "movedim"))
-    del _shaped
+    view = reshape
+
+    def flatten(self, start_dim=0, end_dim=-1):
+        n = self.dim()
+        if n == 0:
+            return self.reshape(1)
+        start, end = start_dim % n, end_dim % n
+        middle = 1
+        for size in self._shape[start:end + 1]:
+            middle *= size
+        return self.reshape(*self._shape[:start], middle, *self._shape[end + 1:])
+
+    def unsqueeze(self, dim):
+        d = dim % (self.dim() + 1)
+        return self.reshape(*self._shape[:d], 1, *self._shape[d:])
+
+    def squeeze(self, dim=None):
+        dims = range(self.dim()) if dim is None else [d % self.dim() for d in
+                                                      (dim if isinstance(dim, (tuple, list)) else (dim,))]
+        return self.reshape(*[n for d, n in enumerate(self._shape) if not (d in dims and n == 1)])
+
+    def permute(self, *dims):
+        return self._regrid(*_grid_permute(*self._grid(), [d % self.dim() for d in _sizes(dims)]))
+
+    def transpose(self, dim0, dim1):
+        order = list(range(self.dim()))
+        d0, d1 = dim0 % self.dim(), dim1 % self.dim()
+        order[d0], order[d1] = order[d1], order[d0]
+        return self.permute(*order)
+
+    def t(self):
+        return self if self.dim() < 2 else self.transpose(0, 1)
+
+    def movedim(self, source, destination):
+        src = [d % self.dim() for d in (source if isinstance(source, (tuple, list)) else (source,))]
+        dst = [d % self.dim() for d in (destination if isinstance(destination, (tuple, list))
+                                        else (destination,))]
+        rest = iter([d for d in range(self.dim()) if d not in src])
+        order = [None] * self.dim()
+        for s_, d_ in zip(src, dst):
+            order[d_] = s_
+        return self.permute(*[o if o is not None else next(rest) for o in order])
+
+    def flip(self, *dims):
+        flipped = [d % self.dim() for d in _sizes(dims)]
+        shape, numbers = self._grid()
+        strides = _strides(shape)
+        out = []
+        for pos in _positions(shape):
+            flat = 0
+            for d, i in enumerate(pos):
+                flat += strides[d] * ((shape[d] - 1 - i) if d in flipped else i)
+            out.append(flat)
+        return self._regrid(shape, out)
+
+    def expand(self, *sizes):
+        sizes = _sizes(sizes)
+        lead = len(sizes) - self.dim()
+        target = tuple(self._shape[d - lead] if n == -1 else n for d, n in enumerate(sizes))
+        return self._regrid(target, _broadcast_numbers(self._shape, target))
+
+    def expand_as(self, other):
+        return self.expand(*other.shape)
 
     def contiguous(self, *args, **kwargs):
         return self
@@ -475,23 +534,25 @@ class Row(_Operators):
     clone = detach = contiguous
 
     # --- reductions -----------------------------------------------------------------
-    def _fold(self, name, combine, dim=None, keepdim=False, prepare=None):
-        """``combine`` over the reduced dims, element by element (one value, or a row)."""
+    def _fold(self, name, combine, dim=None, keepdim=False, prepare=None, whole=None):
+        """``combine`` over the reduced dims, element by element (one value, or a row);
+        ``whole(items)`` instead makes one value of each group at once."""
         dims = _reduced_dims(self._tracer, self.dim(), dim, f".{name}()")
-        kept = [d for d in range(self.dim()) if d not in dims]
-        numbers = self._numbers().permute(*kept, *dims)
-        groups = numbers.reshape(-1, math.prod(self._shape[d] for d in dims))
+        groups = {}
+        for item, pos in zip(self._items, _positions(self._shape)):
+            key = tuple(i for d, i in enumerate(pos) if d not in dims)
+            groups.setdefault(key, []).append(prepare(item) if prepare is not None else item)
         out = []
-        for group in groups.tolist():
-            items = [self._items[i] for i in group]
-            if prepare is not None:
-                items = [prepare(x) for x in items]
+        for items in groups.values():
+            if whole is not None and len(items) > 1:
+                out.append(whole(items))
+                continue
             acc = items[0]
             for x in items[1:]:
                 acc = combine(acc, x)
             out.append(acc)
         shape = [1 if d in dims else n for d, n in enumerate(self._shape)] if keepdim else \
-            [self._shape[d] for d in kept]
+            [n for d, n in enumerate(self._shape) if d not in dims]
         return out[0] if not shape else Row(self._tracer, shape, out, self._what)
 
     def sum(self, dim=None, keepdim=False, dtype=None):
@@ -504,15 +565,24 @@ class Row(_Operators):
         return self._fold("prod", lambda a, b: _binary("mul", a, b), dim, keepdim, count)
 
     def mean(self, dim=None, keepdim=False, dtype=None):
-        dims = _reduced_dims(self._tracer, self.dim(), dim, ".mean()")
-        n = math.prod(self._shape[d] for d in dims)
+        n = 1
+        for d in _reduced_dims(self._tracer, self.dim(), dim, ".mean()"):
+            n *= self._shape[d]
         return _binary("truediv", self.sum(dim, keepdim), float(n))
 
+    def _extreme(self, name, op, dim, keepdim):
+        if self.dtype == torch.bool:          # (of bools: a logical or / and)
+            return self._fold(name, lambda a, b: _binary(op, a, b), dim, keepdim)
+        # One n-ary node per group: a chain of binary maximum nodes would make sympy
+        # compare every pair of elements while building it (minutes for 64 elements).
+        return self._fold(name, None, dim, keepdim, whole=lambda items: _proxy(
+            self._tracer, _line(op + "of", _promote_all(items), *items), _promote_all(items)))
+
     def amax(self, dim=None, keepdim=False):
-        return self._fold("amax", lambda a, b: _binary("maximum", a, b), dim, keepdim)
+        return self._extreme("amax", "max", dim, keepdim)
 
     def amin(self, dim=None, keepdim=False):
-        return self._fold("amin", lambda a, b: _binary("minimum", a, b), dim, keepdim)
+        return self._extreme("amin", "min", dim, keepdim)
 
     def any(self, dim=None, keepdim=False):
         return self._fold("any", lambda a, b: _binary("or", a, b), dim, keepdim, _bool_of)
@@ -520,44 +590,53 @@ class Row(_Operators):
     def all(self, dim=None, keepdim=False):
         return self._fold("all", lambda a, b: _binary("and", a, b), dim, keepdim, _bool_of)
 
-    def _arg(self, name, better, dim=None, keepdim=False):
-        """(value, position) of the extreme along ``dim`` (the first one, as torch returns);
+    def _arg(self, name, extreme, dim=None, keepdim=False):
+        """(extreme values, first positions holding them) along ``dim``, as torch returns;
         positions count along ``dim``, or in the flattened row for dim=None."""
         if dim is None:
             flat = Row(self._tracer, (len(self._items),), self._items, self._what)
-            return flat._arg(name, better, 0)
+            return flat._arg(name, extreme, 0)
         d = _reduced_dims(self._tracer, self.dim(), dim, f".{name}()")[0]
-        along = torch.arange(self._shape[d]).reshape([-1 if i == d else 1 for i in range(self.dim())])
-        positions = along.expand(self._shape).reshape(-1).tolist()
-        pairs = Row(self._tracer, self._shape,
-                    [(x, _const(self._tracer, p)) for x, p in zip(self._items, positions)], self._what)
-
-        def pick(a, b):
-            take = _binary(better, b[0], a[0])
-            return (_where(take, b[0], a[0]), _where(take, b[1], a[1]))
-        return pairs._fold(name, pick, d, keepdim)
+        values = self._extreme(name, extreme[:3], d, keepdim=True)
+        values = values if isinstance(values, Row) else Row(self._tracer, [1], [values], self._what)
+        # The first j whose element is the extreme: a where-chain from the last j back to the
+        # first, each element compared with the extreme once (linear in size, where a chain
+        # of running extremes or a min over positions costs sympy far more).
+        spread = _broadcast_numbers(values._shape, self._shape)
+        groups = {}
+        for i, pos in enumerate(_positions(self._shape)):
+            key = tuple([k for e, k in enumerate(pos) if e != d])
+            groups.setdefault(key, []).append((self._items[i], values._items[spread[i]], pos[d]))
+        out = []
+        for members in groups.values():
+            first = _const(self._tracer, members[-1][2])
+            for x, top, j in reversed(members[:-1]):
+                first = _where(_binary("eq", x, top), j, first)
+            out.append(first)
+        shape = [1 if e == d else n for e, n in enumerate(self._shape)] if keepdim else \
+            [n for e, n in enumerate(self._shape) if e != d]
+        positions = out[0] if not shape else Row(self._tracer, shape, out, self._what)
+        return (values if keepdim else values.squeeze(d)), positions
 
     def argmax(self, dim=None, keepdim=False):
-        return _second(self._arg("argmax", "gt", dim, keepdim))
+        return self._arg("argmax", "maximum", dim, keepdim)[1]
 
     def argmin(self, dim=None, keepdim=False):
-        return _second(self._arg("argmin", "lt", dim, keepdim))
+        return self._arg("argmin", "minimum", dim, keepdim)[1]
 
     def max(self, dim=None, keepdim=False):
         if dim is None:
             return self.amax()
         if isinstance(dim, (Proxy, View, Row, torch.Tensor)):
             return _binary("maximum", self, dim)             # torch.max(a, b)
-        pairs = self._arg("max", "gt", dim, keepdim)
-        return _MinMax(_first(pairs), _second(pairs))
+        return _MinMax(*self._arg("max", "maximum", dim, keepdim))
 
     def min(self, dim=None, keepdim=False):
         if dim is None:
             return self.amin()
         if isinstance(dim, (Proxy, View, Row, torch.Tensor)):
             return _binary("minimum", self, dim)
-        pairs = self._arg("min", "lt", dim, keepdim)
-        return _MinMax(_first(pairs), _second(pairs))
+        return _MinMax(*self._arg("min", "minimum", dim, keepdim))
 
     def norm(self, p=2, dim=None, keepdim=False, dtype=None):
         if p in (2, 2.0, "fro"):
@@ -608,16 +687,9 @@ class _MinMax(tuple):
         return super().__new__(cls, (values, indices))
 
 
-def _pairwise(fn):
-    def pick(pairs):
-        if isinstance(pairs, Row):
-            return Row(pairs._tracer, pairs._shape, [fn(p) for p in pairs._items], pairs._what)
-        return fn(pairs)
-    return pick
-
-
-_first = _pairwise(lambda p: p[0])
-_second = _pairwise(lambda p: p[1])
+def _promote_all(items) -> str:
+    """The kind torch's promotion gives a row's elements together."""
+    return max([_kind(x) for x in items], key=_RANK.get)
 
 
 def _bool_of(x):
@@ -625,11 +697,114 @@ def _bool_of(x):
 
 
 def _positions(shape) -> list:
-    return [tuple(int(i) for i in idx) for idx in itertools.product(*(range(n) for n in shape))]
+    """Every position of ``shape``, row-major (plain Python: torch.compile traces it)."""
+    out = [()]
+    for n in shape:
+        out = [p + (i,) for p in out for i in range(n)]
+    return out
+
+
+def _strides(shape) -> list:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return out[::-1]
+
+
+def _sizes(args) -> tuple:
+    """``f(2, 3)`` or ``f((2, 3))``: the sizes, as torch's shape methods take them."""
+    return tuple(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) \
+        else tuple(args)
+
+
+def _grid_index(shape, numbers, parts):
+    """(shape, numbers) of ``grid[parts]`` for ints, slices and None, as torch indexes."""
+    axes, fixed, d = [], 0, 0
+    strides = _strides(shape)
+    for k in parts:
+        if k is None:
+            axes.append(None)
+            continue
+        if d >= len(shape):
+            raise IndexError(f"too many indices for {len(shape)} dims")
+        n = shape[d]
+        if isinstance(k, slice):
+            axes.append((d, list(range(*k.indices(n)))))
+        else:
+            if not -n <= int(k) < n:
+                raise IndexError(f"index {int(k)} is out of bounds for a dim of size {n}")
+            fixed += strides[d] * (int(k) % n)
+        d += 1
+    axes += [(e, list(range(shape[e]))) for e in range(d, len(shape))]
+    out_shape = tuple(1 if a is None else len(a[1]) for a in axes)
+    out = []
+    for pos in _positions(out_shape):
+        flat = fixed
+        for a, i in zip(axes, pos):
+            if a is not None:
+                flat += strides[a[0]] * a[1][i]
+        out.append(numbers[flat])
+    return out_shape, out
+
+
+def _grid_reshape(shape, numbers, sizes):
+    total = len(numbers)
+    known = 1
+    for n in sizes:
+        known *= n if n != -1 else 1
+    sizes = tuple(total // known if n == -1 else n for n in sizes)
+    check = 1
+    for n in sizes:
+        check *= n
+    if check != total:
+        raise ValueError(f"shape {list(sizes)} is invalid for a row of {total} elements")
+    return sizes, numbers
+
+
+def _grid_permute(shape, numbers, dims):
+    strides = _strides(shape)
+    out_shape = tuple([shape[d] for d in dims])
+    out = []
+    for pos in _positions(out_shape):
+        flat = 0
+        for d, i in zip(dims, pos):
+            flat += strides[d] * i
+        out.append(numbers[flat])
+    return out_shape, out
+
+
+def _broadcast_shape(shapes) -> tuple:
+    out = []
+    for shape in shapes:
+        shape = tuple(shape)
+        if len(shape) > len(out):
+            out = [1] * (len(shape) - len(out)) + out
+        for i, n in enumerate(shape):
+            d = len(out) - len(shape) + i
+            if n != 1 and out[d] not in (1, n):
+                raise ValueError("shapes do not broadcast")
+            out[d] = n if n != 1 else out[d]
+    return tuple(out)
+
+
+def _broadcast_numbers(shape, target) -> list:
+    """For each position of ``target``, the element number of ``shape`` torch broadcasts there."""
+    strides = _strides(shape)
+    lead = len(target) - len(shape)
+    out = []
+    for pos in _positions(target):
+        flat = 0
+        for d, n in enumerate(shape):
+            flat += strides[d] * (0 if n == 1 else pos[lead + d])
+        out.append(flat)
+    return out
 
 
 def _check_row_size(tracer: _Tracer, shape, what: str) -> None:
-    numel = math.prod(shape)
+    numel = 1
+    for n in shape:
+        numel *= n
     if numel > ROW_LIMIT:
         raise tracer.fail(
             f"{what} is combined with traced values element by element: {numel} elements "
@@ -719,24 +894,18 @@ def _map_rows(fn, args: tuple, kwargs: dict):
     every = list(rows.values()) + list(krows.values())
     tracer, what = every[0]._tracer, every[0]._what
     try:
-        shape = tuple(torch.broadcast_shapes(*(r.shape for r in every)))
-    except RuntimeError:
+        shape = _broadcast_shape([r.shape for r in every])
+    except ValueError:
         raise tracer.fail("rows of shapes " + ", ".join(str(list(r.shape)) for r in every)
                           + " were combined", "give them shapes that broadcast, as in torch") from None
     _check_row_size(tracer, shape, what)
-
-    def element(row, position):
-        # Broadcasting: dims of size 1 repeat, missing leading dims are implied.
-        own = position[len(shape) - row.dim():]
-        flat = 0
-        for size, i in zip(row._shape, own):
-            flat = flat * size + (0 if size == 1 else i)
-        return row._items[flat]
-
+    # Each row's element at every position of the result, as torch broadcasts.
+    spread = {i: [r._items[j] for j in _broadcast_numbers(r.shape, shape)] for i, r in rows.items()}
+    kspread = {k: [r._items[j] for j in _broadcast_numbers(r.shape, shape)] for k, r in krows.items()}
     items = []
-    for position in _positions(shape):
-        a = tuple(element(rows[i], position) if i in rows else v for i, v in enumerate(args))
-        k = {n: element(krows[n], position) if n in krows else v for n, v in kwargs.items()}
+    for n in range(len(_positions(shape))):
+        a = [spread[i][n] if i in spread else v for i, v in enumerate(args)]
+        k = {name: kspread[name][n] if name in kspread else v for name, v in kwargs.items()}
         items.append(fn(*a, **k))
     return items[0] if not shape else Row(tracer, shape, items, what)
 
