@@ -5,7 +5,12 @@ indices. Every operation on a proxy appends one line to a straight-line
 program (``graph``, a str); the value the mod returns is its last line.
 Captured tensors that the mod indexes (``bias[h, q_idx]``) or uses as numbers
 (a 0-d tensor) become numbered buffers: their values are kernel arguments,
-only their dtype and rank enter the program.
+only their dtype and rank enter the program. A captured tensor indexed with fewer
+positions than it has dims is a ``View``: reduced over the rest on the host
+(``x[b].sum(-1)``), or, combined with traced values, a ``Row`` of up to
+``ROW_LIMIT`` elements unrolled into the program (``(means[q_idx] - means[kv_idx])
+.pow(2).sum(-1)``, ``torch.dot``, ``(ids[b] == kv_idx).any()``), as torch's
+compiled kernels unroll small reductions.
 
 The text is the mod's identity everywhere downstream: the cache keys, the
 custom ops' arguments (``flexgen.runtime.ops``: a str survives ``torch.export``
@@ -23,6 +28,7 @@ to three kinds the kernel computes in: ``b`` (bool), ``i`` (int32) and ``f``
     const <kind> <value>           a Python number
     load <kind> <slot> %i %j ...   captured buffer ``slot`` at the given indices
     <op> <kind> %a [%b [%c]]       an operation on earlier lines
+    maxof / minof <kind> %a %b ... the largest / smallest of a row's elements
     buffer <slot> <dtype> <ndim>   (last lines) each captured tensor's signature
     program <kind> <name>          (first line) "score_mod" or "mask_mod", the mod's name
 """
