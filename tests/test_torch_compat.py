@@ -147,6 +147,20 @@ def test_scalar_tensors_without_item():
     run(*make_qkv(L=40, D=16), scalars, offset_mask, learned=(temperature,))
 
 
+def test_item_of_a_captured_tensor_is_read_at_each_call():
+    """limit.item() in a mod is a constant of the trace: after an in-place update of the tensor
+    the next call traces again and sees the new value (no stale memoized trace)."""
+    limit = torch.tensor(10)
+
+    def item_mask(score, b, h, q_idx, kv_idx):
+        return torch.where(kv_idx < limit.item(), score, score - 5.0)
+
+    q, k, v = make_qkv(L=32, D=16)
+    for value in (10, 20):
+        limit.fill_(value)
+        check(flex_attention(q, k, v, item_mask), flex_attention_reference(q, k, v, item_mask))
+
+
 def test_chained_and_partial_indexing():
     """bias[b][q_idx], bias[0][b, h][q_idx], intervals[id][0], x[b].sum(dim=-1) (reduced on the
     host), and a learned bias reached through a chain of indexing."""

@@ -73,7 +73,8 @@ class TracedMod:
     graph: str                 # the program (see the module docstring)
     buffers: tuple             # captured tensors, in slot order
     derived: bool = False      # some buffer was computed while tracing (a reduction of a
-                               # captured tensor): the trace must not outlive this call
+                               # captured tensor), or a captured value was read into Python
+                               # (.item()): the trace must not outlive this call
 
     @property
     def signature(self) -> str:
@@ -1424,14 +1425,27 @@ class _TraceMode(torch.overrides.TorchFunctionMode):
     Proxies' own ``__torch_function__`` covers eager code, but torch.compile asks it
     only about top-level arguments: ``bias[h, q_idx]`` passes a tuple of proxies. A
     mode sees every call; calls on real tensors alone (``bias.sum()``) run as they are.
+    One that reads a captured tensor's value into Python (``limit.item()``) makes that
+    value a constant of this trace, which then must not be reused once the tensor changes.
     """
+
+    def __init__(self, tracer: _Tracer):
+        super().__init__()
+        self.tracer = tracer
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if _tracer_of(*args, *kwargs.values()) is None and not any(
                 isinstance(a, tuple) and _tracer_of(*a) is not None for a in args):
+            if func in _READS_VALUE:
+                self.tracer.derived = True
             return func(*args, **kwargs)
         return _torch_function(func, args, kwargs)
+
+
+# Tensor methods that hand a tensor's values to Python (a constant in the traced program).
+_READS_VALUE = frozenset({torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__,
+                          torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__})
 
 
 def _qualified(func) -> str:
@@ -1555,7 +1569,7 @@ def trace(mod, kind: str) -> TracedMod:
     proxies = [_proxy(tracer, f"var {'f' if n == 'score' else 'i'} {n}", "f" if n == "score" else "i")
                for n in names]
     try:
-        with _TraceMode():
+        with _TraceMode(tracer):
             result = mod(*proxies)
     except TraceError:
         raise
