@@ -209,7 +209,12 @@ def test_row_membership_mask():
         near = (points[q_idx] - points[kv_idx]).abs().amax() < 1.5
         return (selected == (kv_idx // 16).unsqueeze(-1)).any(dim=-1) | near
 
-    run(*make_qkv(L=40, D=16), mask_mod=topk_tiles, grad=False)
+    q, k, v = make_qkv(L=40, D=16)
+    run(q, k, v, mask_mod=topk_tiles, grad=False)
+    # Under torch.compile the tracer runs inside dynamo: rows must trace there too.
+    block_mask = create_block_mask(topk_tiles, 1, 2, 40, 40, device="cpu", BLOCK_SIZE=16)
+    compiled = torch.compile(flex_attention, backend="eager", fullgraph=True)
+    check(compiled(q, k, v, block_mask=block_mask), flex_attention_reference(q, k, v, mask_mod=topk_tiles))
 
 
 def test_kv_batch_of_one_broadcast_with_gqa():
