@@ -69,7 +69,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
 
     query ``[B, Hq, Lq, D]``, key ``[B or 1, Hkv, Lkv, D]``, value ``[B or 1, Hkv, Lkv, Dv]``
     (fp16, bf16 or fp32; D and Dv from 16 to 256; Hq a multiple of Hkv with
-    ``enable_gqa=True``). ``score_mod(score, b, h, q_idx, kv_idx)`` rewrites each
+    ``enable_gqa=True``; a last dim that is not contiguous is copied first).
+    ``score_mod(score, b, h, q_idx, kv_idx)`` rewrites each
     scaled score ``q·k * scale`` (scale defaults to 1/sqrt(D)); ``block_mask`` (from
     ``create_block_mask``, flexgen's or torch's) removes positions and skips empty blocks.
     Returns ``out [B, Hq, Lq, Dv]`` in the query's dtype and stride order; with
@@ -85,6 +86,11 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     one more), so torch.compile(fullgraph=True) and torch.export take it as is.
     """
     _tensors(query=query, key=key, value=value)
+    # torch takes a last dim that is not contiguous (a column-major q, k or v); the kernels
+    # read each row of D elements at once, so such an input is copied once, here (autograd
+    # carries the gradient back to the original layout).
+    query, key, value = (t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+                         for t in (query, key, value))
     if return_lse and return_aux is not None:
         raise reported(expected("return_lse", "False when return_aux is given", True,
                                 "ask for the LSE with return_aux=AuxRequest(lse=True)"))

@@ -2,8 +2,11 @@
 
 It materializes the whole ``[B, H, Lq, Lkv]`` score matrix, so it is for tests
 and small inputs only. It evaluates the mods exactly as torch's
-FlexAttention defines them: on int32 index tensors and the float score, in any
-dtype (``dtype=torch.float64`` in the tests).
+FlexAttention defines them: once per element, through ``torch.func.vmap`` over
+0-d int32 indices and the float score, in any dtype (``dtype=torch.float64`` in
+the tests). Calling a mod once on broadcast index grids would be faster, but it
+gives another answer for chained or partial indexing of a captured tensor
+(``intervals[i][0]`` takes row 0 of a grid rather than column 0 of one row).
 """
 from __future__ import annotations
 
@@ -22,15 +25,29 @@ def index_grids(B: int, H: int, Q_LEN: int, KV_LEN: int, device) -> tuple:
     return ar(B, 0), ar(H, 1), ar(Q_LEN, 2), ar(KV_LEN, 3)
 
 
+def per_element(mod, B: int, H: int, Q_LEN: int, KV_LEN: int, device, score=None) -> torch.Tensor:
+    """``mod`` at every (b, h, q_idx, kv_idx), ``[B, H, Q_LEN, KV_LEN]``: a mask_mod, or with
+    ``score`` (``[B, H, Q_LEN, KV_LEN]``) a score_mod. Each call sees 0-d values, as in torch."""
+    def one(*args):
+        out = mod(*args)
+        # A mod may return a Python number (a constant mask); vmap wants tensors.
+        return out if isinstance(out, torch.Tensor) else torch.tensor(out, device=device)
+
+    mapped = one
+    lead = () if score is None else (0,)
+    for axis in (3, 2, 1, 0):              # kv_idx innermost, b outermost
+        dims = [None] * 4
+        dims[axis] = 0
+        mapped = torch.func.vmap(mapped, in_dims=lead + tuple(dims))
+    indices = [torch.arange(n, device=device, dtype=torch.int32) for n in (B, H, Q_LEN, KV_LEN)]
+    return mapped(*(() if score is None else (score,)), *indices)
+
+
 def dense_mask(mask_mod, B: int, H: int, Q_LEN: int, KV_LEN: int, device="cpu") -> torch.Tensor:
     """``mask_mod`` evaluated on every position: bool ``[B, H, Q_LEN, KV_LEN]``."""
-    b, h, q, kv = index_grids(B, H, Q_LEN, KV_LEN, device)
     if mask_mod is None:
         return torch.ones(B, H, Q_LEN, KV_LEN, dtype=torch.bool, device=device)
-    m = mask_mod(b, h, q, kv)
-    if not isinstance(m, torch.Tensor):
-        m = torch.tensor(bool(m), device=device)
-    return m.to(torch.bool).expand(B, H, Q_LEN, KV_LEN)
+    return per_element(mask_mod, B, H, Q_LEN, KV_LEN, device).to(torch.bool)
 
 
 def flex_attention_reference(query, key, value, score_mod=None, mask_mod=None, scale=None,
@@ -56,10 +73,8 @@ def flex_attention_reference(query, key, value, score_mod=None, mask_mod=None, s
         v = v.repeat_interleave(group, dim=1)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     scores = (q @ k.transpose(-1, -2)) * scale
-    b, h, qi, kvi = index_grids(B, Hq, Lq, Lkv, query.device)
     if score_mod is not None:
-        scores = score_mod(scores, b, h, qi, kvi)
-        scores = torch.as_tensor(scores, device=query.device).to(dtype).expand(B, Hq, Lq, Lkv)
+        scores = per_element(score_mod, B, Hq, Lq, Lkv, query.device, scores).to(dtype)
     if mask_mod is not None:
         keep = dense_mask(mask_mod, B, Hq, Lq, Lkv, query.device)
         scores = scores.masked_fill(~keep, -math.inf)

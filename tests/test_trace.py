@@ -72,10 +72,10 @@ def test_python_control_flow_in_score_mod():
 
 
 @pytest.mark.parametrize("make", [
-    lambda: (lambda score, b, h, q_idx, kv_idx: torch.erf(score)),
+    lambda: (lambda score, b, h, q_idx, kv_idx: torch.lgamma(score)),
     lambda: (lambda score, b, h, q_idx, kv_idx: torch.cumsum(score, 0)),
     lambda: (lambda score, b, h, q_idx, kv_idx: torch.softmax(score, -1)),
-], ids=["erf", "cumsum", "softmax"])
+], ids=["lgamma", "cumsum", "softmax"])
 def test_unsupported_torch_function(make):
     mod = make()
     assert_trace_error(mod, "score_mod", "not supported")
@@ -399,8 +399,9 @@ def test_mismatched_shapes():
 
 
 def test_non_contiguous_last_dim():
+    # torch takes it (a column-major query), so flexgen does: the input is copied first.
     q, k, v = make_qkv(B=1, H=1, L=32)
-    raises_input_error(lambda: flex_attention(q.transpose(2, 3)[..., :32, :], k, v), "contiguous")
+    run_and_check(q.transpose(2, 3).contiguous().transpose(2, 3), k, v)
 
 
 def test_gqa_without_enable_gqa():

@@ -160,7 +160,12 @@ class TritonPrinter:
                 den.append(f.base ** -f.exp)
             else:
                 num.append(f)
-        printed, kind = self.numeric(num or [sympy.Integer(1)])
+        if (den or float_coeff is not None) and all(n.is_Integer for n in num):
+            # Only integers above the line (1 / score): a float literal, as a Python
+            # int has no .to() in a kernel.
+            printed, kind = [(_float_literal(sympy.Mul(*num)), "float")], "float"
+        else:
+            printed, kind = self.numeric(num or [sympy.Integer(1)])
         code = " * ".join(c for c, _ in printed)
         if float_coeff is not None:
             code = f"{float_coeff} * " + (code if kind == "float" else f"({code}).to(tl.float32)")
@@ -202,6 +207,14 @@ class TritonPrinter:
 
     def _print_cos(self, e):
         return f"tl.cos({self.as_float(e.args[0])})", "float"
+
+    def _print_tan(self, e):
+        # Triton has no tan: sin / cos of one temporary.
+        x, _ = self.temp(self.as_float(e.args[0]), "float")
+        return f"(tl.sin({x}) / tl.cos({x}))", "float"
+
+    def _print_erf(self, e):
+        return f"tl.erf({self.as_float(e.args[0])})", "float"
 
     def _print_Sigmoid(self, e):
         return f"tl.sigmoid({self.as_float(e.args[0])})", "float"
@@ -326,6 +339,10 @@ class TritonPrinter:
         for d, index in enumerate(e.args):
             if index.is_Integer:
                 i, _ = self.temp(f"tl.full([1, 1], {int(index)}, tl.int32)", "int")
+            elif not index.free_symbols:
+                # Read from a 0-d captured tensor (bias[t, q_idx]): a [1, 1] tile as well; the
+                # interpreter turns a mask built from a loaded scalar into int32 and rejects it.
+                i, _ = self.temp(f"tl.full([1, 1], 0, tl.int32) + {self.as_int(index)}", "int")
             elif index.is_Symbol and index.is_nonnegative:
                 i = self.as_int(index)
             else:

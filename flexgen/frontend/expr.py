@@ -61,6 +61,32 @@ class Trunc(sympy.Function):
         return None
 
 
+class MaxOf(sympy.Max):
+    """The largest of a row's elements (traced op ``maxof``), left as built: sympy's Max
+    compares every pair of its arguments when built (minutes for a row of 64 loads)."""
+
+    def __new__(cls, *args, **assumptions):
+        return super().__new__(cls, *args, evaluate=False)
+
+    def fdiff(self, argindex=1):
+        # Max's own derivative, with the rest of the row kept unevaluated as well.
+        x = self.args[argindex - 1]
+        rest = [a for i, a in enumerate(self.args) if i != argindex - 1]
+        return sympy.Heaviside(x - (rest[0] if len(rest) == 1 else type(self)(*rest)))
+
+
+class MinOf(sympy.Min):
+    """The smallest of a row's elements (traced op ``minof``), left as built (see MaxOf)."""
+
+    def __new__(cls, *args, **assumptions):
+        return super().__new__(cls, *args, evaluate=False)
+
+    def fdiff(self, argindex=1):
+        x = self.args[argindex - 1]
+        rest = [a for i, a in enumerate(self.args) if i != argindex - 1]
+        return sympy.Heaviside((rest[0] if len(rest) == 1 else type(self)(*rest)) - x)
+
+
 def _bitwise(name, op):
     def eval(cls, *args):
         if all(a.is_Integer for a in args):
@@ -185,10 +211,13 @@ class _Converter:
     def op_sin(self, node, a): return sympy.sin(self._num(a))
     def op_cos(self, node, a): return sympy.cos(self._num(a))
     def op_tan(self, node, a): return sympy.tan(self._num(a))
+    def op_erf(self, node, a): return sympy.erf(self._num(a))
     def op_silu(self, node, a): return self._num(a) * Sigmoid(self._num(a))
     def op_relu(self, node, a): return sympy.Max(self._num(a), 0)
     def op_shl(self, node, a, b): return self._num(a) * sympy.Integer(2) ** self._num(b)
     def op_shr(self, node, a, b): return sympy.floor(self._num(a) / sympy.Integer(2) ** self._num(b))
+    def op_maxof(self, node, *args): return MaxOf(*(self._num(a) for a in args))
+    def op_minof(self, node, *args): return MinOf(*(self._num(a) for a in args))
     def op_minimum(self, node, a, b): return self._minmax(sympy.Min, sympy.And, node, a, b)
     def op_maximum(self, node, a, b): return self._minmax(sympy.Max, sympy.Or, node, a, b)
 

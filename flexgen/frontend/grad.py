@@ -161,6 +161,9 @@ def _score_grad(joint, score_grad_expr) -> str | None:
     """The code of d mod / d score in ``joint`` (its second value), as float32."""
     if score_grad_expr is None:
         return None
+    if _const(score_grad_expr):
+        # A number (score * 2 gives 2): a float literal, since a Python int has no .to().
+        return repr(float(score_grad_expr))
     code, kind = joint.results[1], joint.kinds[1]
     return code if kind == "float" else f"({code}).to(tl.float32)"
 

@@ -366,10 +366,10 @@ class _Lang:
 
     float32, int32, int64 = torch.float32, torch.int32, torch.int64
     # (a folded constant made a tensor first)
-    exp, exp2, log, sqrt, rsqrt, log2, sin, cos, sigmoid, abs, floor, ceil = (
+    exp, exp2, log, sqrt, rsqrt, log2, sin, cos, sigmoid, abs, floor, ceil, erf = (
         staticmethod(_lifted(f)) for f in (torch.exp, torch.exp2, torch.log, torch.sqrt, torch.rsqrt,
                                            torch.log2, torch.sin, torch.cos, torch.sigmoid, torch.abs,
-                                           torch.floor, torch.ceil))
+                                           torch.floor, torch.ceil, torch.erf))
 
     def __init__(self, device):
         self.device = device

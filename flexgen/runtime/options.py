@@ -8,8 +8,9 @@ that does not apply to the kernel a call runs is checked and has no effect,
 the same at 16 queries (the decode kernel) as at 17 (the forward kernel).
 
 torch's FlexAttention options that only tune torch's own kernels are accepted
-and dropped (``TORCH_ONLY``), so a call written for torch runs unchanged; an
-unknown key or a wrong value is an ``InputError``.
+and dropped (``TORCH_ONLY``; their values are checked as torch types them), so a
+call written for torch runs unchanged; an unknown key or a wrong value is an
+``InputError``.
 """
 from __future__ import annotations
 
@@ -35,13 +36,14 @@ OPTIONS = {
 # sequence, else the forward kernel); TRITON always the forward kernel; TRITON_DECODE
 # always the decode kernel (torch's names). "tl" is AUTO with Triton-language templates.
 BACKENDS = ("AUTO", "TRITON", "TRITON_DECODE", "tl")
-# torch's options that tune torch's own kernels only: accepted, no effect here.
-TORCH_ONLY = frozenset({
-    "PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "OUTPUT_LOGSUMEXP",
-    "OUTPUT_MAX", "FORCE_USE_FLEX_ATTENTION", "WRITE_DQ", "num_consumer_groups",
-    "num_buffers_warp_spec", "SAFE_HEAD_DIM", "USE_TMA_LOAD", "kpack", "matrix_instr_nonkdim",
-    "waves_per_eu",
-})
+# torch's options that tune torch's own kernels only: accepted (their values checked as
+# torch types them), no effect here. FORCE_USE_FLEX_ATTENTION=True is BACKEND "TRITON".
+TORCH_ONLY = {
+    "PRESCALE_QK": bool, "ROWS_GUARANTEED_SAFE": bool, "BLOCKS_ARE_CONTIGUOUS": bool,
+    "OUTPUT_LOGSUMEXP": bool, "OUTPUT_MAX": bool, "FORCE_USE_FLEX_ATTENTION": bool,
+    "WRITE_DQ": bool, "SAFE_HEAD_DIM": bool, "USE_TMA_LOAD": bool, "num_consumer_groups": int,
+    "num_buffers_warp_spec": int, "kpack": int, "matrix_instr_nonkdim": int, "waves_per_eu": int,
+}
 
 
 @dataclass(frozen=True)
@@ -107,22 +109,31 @@ def parse_options(kernel_options) -> KernelOptions:
                                 type(kernel_options).__name__, "pass a dict of option names to values"))
     values = {}
     for name, value in kernel_options.items():
-        if name in TORCH_ONLY:
-            continue
-        if name not in OPTIONS:
+        if name not in OPTIONS and name not in TORCH_ONLY:
             raise reported(expected("kernel_options", f"keys among {sorted(OPTIONS)} (or torch's "
                                     "own, which have no effect here)", repr(name),
                                     "remove the key or fix its spelling"))
-        kind = OPTIONS[name][0]
+        kind = OPTIONS[name][0] if name in OPTIONS else TORCH_ONLY[name]
         if kind is bool:
             if type(value) not in (bool, int) or value not in (0, 1):
                 raise reported(expected(f"kernel_options[{name!r}]", "True or False", repr(value),
                                         "pass a bool"))
             value = bool(value)
         elif kind is int:
-            if type(value) is not int or value < 1:
-                raise reported(expected(f"kernel_options[{name!r}]", "a positive int", repr(value),
+            # (ROCm's waves_per_eu and matrix_instr_nonkdim may be 0 in torch.)
+            least = 1 if name in OPTIONS else 0
+            if type(value) is not int or value < least:
+                raise reported(expected(f"kernel_options[{name!r}]",
+                                        "a positive int" if least else "an int >= 0", repr(value),
                                         "pass an int"))
+        if name in TORCH_ONLY:
+            if name == "FORCE_USE_FLEX_ATTENTION" and value:
+                if "BACKEND" in kernel_options:
+                    raise reported(expected("kernel_options", "BACKEND or the older "
+                                            "FORCE_USE_FLEX_ATTENTION, not both (torch refuses it too)",
+                                            kernel_options, "keep BACKEND only"))
+                values["BACKEND"] = "TRITON"
+            continue
         elif name == "BACKEND":
             if value not in BACKENDS:
                 raise reported(expected("kernel_options['BACKEND']", f"one of {list(BACKENDS)}",

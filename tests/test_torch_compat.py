@@ -1,0 +1,367 @@
+"""Mods and call sites written for torch's FlexAttention run unchanged through flexgen.
+
+Each test restates, in its own words, a construct that real client code uses
+(attention-gym's masks and mods, PyTorch's own FlexAttention tests) and checks
+flexgen against the float64 oracle, forward and, where torch defines one, backward
+(gradients of q, k, v and of captured tensors that require grad). Where torch's
+eager ``flex_attention`` runs on CPU, the same mod must give the same answer there.
+The constructs that cannot become a kernel must fail with a ``flexgen.FlexgenError``
+that names the mod, the construct and the fix.
+
+Shapes are small and the mods few (every distinct mod is a kernel to run in the
+interpreter and to compile for sm_90).
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flexgen
+from flexgen import AuxRequest, FlexgenError, InputError, TraceError, create_block_mask, flex_attention
+from flexgen.reference import dense_mask, flex_attention_reference, per_element
+from conftest import check, make_qkv
+
+tfa = pytest.importorskip("torch.nn.attention.flex_attention")
+aten = torch.ops.aten
+
+
+def torch_eager(q, k, v, score_mod=None, mask_mod=None, **kwargs):
+    """torch's own flex_attention, eager on CPU (its reference path), forward only."""
+    B, H, L, _ = q.shape
+    block_mask = None if mask_mod is None else tfa.create_block_mask(
+        mask_mod, B, H, L, k.shape[2], device="cpu", BLOCK_SIZE=16)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")          # ("flex_attention called without torch.compile")
+        return tfa.flex_attention(q.detach(), k.detach(), v.detach(), score_mod=score_mod,
+                                  block_mask=block_mask, **kwargs)
+
+
+def run(q, k, v, score_mod=None, mask_mod=None, learned=(), *, grad=True, enable_gqa=False,
+        compare_torch=True, atol=None):
+    """flexgen forward (and backward) against the float64 oracle; and against torch eager."""
+    leaves = [q, k, v, *learned]
+    if grad:
+        for t in (q, k, v):
+            t.requires_grad_(True)
+    block_mask = None if mask_mod is None else create_block_mask(
+        mask_mod, q.shape[0], q.shape[1], q.shape[2], k.shape[2], device="cpu", BLOCK_SIZE=16)
+    out = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=enable_gqa)
+    ref = flex_attention_reference(q, k.expand(q.shape[0], *k.shape[1:]),
+                                   v.expand(q.shape[0], *v.shape[1:]), score_mod, mask_mod,
+                                   enable_gqa=enable_gqa)
+    check(out, ref, atol=atol)
+    if grad:
+        d_out = torch.randn_like(out)
+        got = torch.autograd.grad(out, leaves, d_out)
+        want = torch.autograd.grad(ref, leaves, d_out.double())
+        for name, a, b in zip(["dq", "dk", "dv"] + [f"captured{i}" for i in range(len(learned))],
+                              got, want):
+            assert a.shape == b.shape, name
+            scale = 1.0 + float(b.abs().max())
+            torch.testing.assert_close(a.double() / scale, b.double() / scale, atol=2e-4, rtol=0,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+    if compare_torch:
+        theirs = torch_eager(q, k.expand(q.shape[0], *k.shape[1:]), v.expand(q.shape[0], *v.shape[1:]),
+                             score_mod, mask_mod, enable_gqa=enable_gqa)
+        torch.testing.assert_close(out.detach(), theirs, atol=1e-4, rtol=1e-4)
+    return out
+
+
+def assert_error(fn, kind, *words):
+    with pytest.raises(kind) as info:
+        fn()
+    msg = str(info.value)
+    assert "Fix:" in msg, msg
+    for w in words:
+        assert w in msg, f"{w!r} not in: {msg}"
+    return msg
+
+
+# --- constructs on traced values -------------------------------------------------------------
+
+def test_tensor_constructors_on_traced_values():
+    """x.new_ones / new_zeros / new_full / new_tensor and torch.*_like give scalars of torch's dtype."""
+    def constructors(score, b, h, q_idx, kv_idx):
+        two = q_idx.new_ones(()) * 2                       # int32 like q_idx
+        zero = b.new_zeros(b.shape)
+        quarter = torch.full_like(score, 0.25)
+        return (score * torch.ones_like(score) + score.new_full((), 0.5) * two + zero
+                + quarter * torch.zeros_like(kv_idx) + kv_idx.new_full((), 3, dtype=torch.float32)
+                + score.new_tensor(1.5) * (q_idx - kv_idx) * 0.01 + quarter)
+
+    run(*make_qkv(L=40, D=16), constructors)
+
+
+def test_casts_and_dtype_methods():
+    """.to(dtype), .to(other.dtype), .bool(), .long(), .int(), .float() follow torch's rules."""
+    def casts(score, b, h, q_idx, kv_idx):
+        rel = (q_idx - kv_idx).to(torch.float32) * 0.05
+        return (score + rel + (q_idx > kv_idx).long() - (q_idx % 3).bool().int()
+                + kv_idx.float() * 0.01 + (score > 0).to(score.dtype) * 0.5)
+
+    run(*make_qkv(L=40, D=16), casts)
+
+
+def test_aten_ops_and_functional_activations():
+    """torch.ops.aten overloads, F.silu / F.gelu, torch.tan / erf and 1 / (...) (whose derivative
+    has only integers above the line), keyed by the function objects."""
+    def activations(score, b, h, q_idx, kv_idx):
+        rel = aten.sub.Tensor(q_idx, kv_idx)
+        return (aten.add.Tensor(F.silu(score), aten.mul.Tensor(rel, 0.01))
+                + F.gelu(score, approximate="tanh") * 0.5 + torch.tan(score * 0.1)
+                + torch.erf(score) * 0.25 + 1 / (score + 10))
+
+    run(*make_qkv(L=40, D=16), activations)
+
+
+def test_constant_derivative_of_the_score():
+    """score * 2 (PyTorch's _times_two): d mod / d score is the number 2 in the backward kernel."""
+    run(*make_qkv(L=40, D=16), lambda score, b, h, q_idx, kv_idx: score * 2)
+
+
+def test_shifts_and_bitwise_ops_on_indices():
+    """>> and << on indices (Morton codes, block ids), with & and | of ints and bools."""
+    def morton_block_mask(b, h, q_idx, kv_idx):
+        same_block = (q_idx >> 3) == (kv_idx >> 3)
+        interleaved = ((q_idx | (q_idx << 1)) & 0x33) >= ((kv_idx | (kv_idx << 1)) & 0x33)
+        return same_block | interleaved | (kv_idx < (1 << 2))
+
+    run(*make_qkv(L=40, D=16), mask_mod=morton_block_mask, grad=False)
+
+
+def test_scalar_tensors_without_item():
+    """0-d captured tensors as numbers and as an index, in both mods; a 0-d learned temperature."""
+    limit, which = torch.tensor(30, dtype=torch.int64), torch.tensor(1)
+    table = torch.randn(3, 40)
+    temperature = torch.tensor(0.7, requires_grad=True)
+
+    def scalars(score, b, h, q_idx, kv_idx):
+        return score * temperature + table[which, q_idx] + torch.where(q_idx < limit, 0.0, -1.0)
+
+    def offset_mask(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + limit - 25
+
+    run(*make_qkv(L=40, D=16), scalars, offset_mask, learned=(temperature,))
+
+
+def test_item_of_a_captured_tensor_is_read_at_each_call():
+    """limit.item() in a mod is a constant of the trace: after an in-place update of the tensor
+    the next call traces again and sees the new value (no stale memoized trace)."""
+    limit = torch.tensor(10)
+
+    def item_mask(score, b, h, q_idx, kv_idx):
+        return torch.where(kv_idx < limit.item(), score, score - 5.0)
+
+    q, k, v = make_qkv(L=32, D=16)
+    for value in (10, 20):
+        limit.fill_(value)
+        check(flex_attention(q, k, v, item_mask), flex_attention_reference(q, k, v, item_mask))
+
+
+def test_chained_and_partial_indexing():
+    """bias[b][q_idx], bias[0][b, h][q_idx], intervals[id][0], x[b].sum(dim=-1) (reduced on the
+    host), and a learned bias reached through a chain of indexing."""
+    B, H, L = 2, 2, 40
+    bias = torch.randn(B, L, requires_grad=True)
+    nested = torch.randn(2, B, H, L)
+    x = torch.randn(B, 5)
+    image = torch.arange(L) // 14
+    intervals = torch.tensor([[0, 20], [10, 40], [25, 40]])
+
+    def chained(score, b, h, q_idx, kv_idx):
+        return score + bias[b][q_idx] + nested[0][b, h][kv_idx] + x[b].sum(dim=-1) * 0.1
+
+    def cross_attention(b, h, q_idx, kv_idx):
+        interval = intervals[image[kv_idx]]
+        return (q_idx >= interval[0]) & (q_idx < interval[1])
+
+    run(*make_qkv(B=B, H=H, L=L, D=16), chained, cross_attention, learned=(bias,))
+
+
+def test_rows_reduced_per_element():
+    """A partly indexed captured tensor combined with traced values, then reduced: a distance
+    (.pow(2).sum(-1).sqrt()), torch.dot, .amax(), a slice next to a position (points[q_idx, 1:],
+    which torch's eager path refuses: oracle only); a learned row receives its gradient."""
+    L = 40
+    points = torch.randn(L, 3)
+    rope = torch.randn(L, 4, requires_grad=True)
+
+    def rows(score, b, h, q_idx, kv_idx):
+        dist = (points[q_idx] - points[kv_idx]).pow(2).sum(-1).sqrt()
+        return (score - dist + 0.1 * torch.dot(rope[q_idx], rope[kv_idx]) + (rope[kv_idx] * 0.5).amax()
+                + points[q_idx, 1:].sum() * 0.1)
+
+    run(*make_qkv(L=L, D=16), rows, learned=(rope,), compare_torch=False)
+
+
+def test_row_membership_mask():
+    """attention-gym's top-k tile mask, (topk[b, h, tile] == kv_tile.unsqueeze(-1)).any(dim=-1),
+    or a distance over a row: rows in a mask_mod (the block classifier and the kernel)."""
+    topk = torch.tensor([[[[0, 2], [1, 0], [2, 1]], [[2, 2], [0, 1], [1, 2]]]])
+
+    points = torch.randn(40, 3)
+
+    def topk_tiles(b, h, q_idx, kv_idx):
+        selected = topk[b, h, q_idx // 16]
+        near = (points[q_idx] - points[kv_idx]).abs().amax() < 1.5
+        return (selected == (kv_idx // 16).unsqueeze(-1)).any(dim=-1) | near
+
+    q, k, v = make_qkv(L=40, D=16)
+    run(q, k, v, mask_mod=topk_tiles, grad=False)
+    # Under torch.compile the tracer runs inside dynamo: rows must trace there too.
+    block_mask = create_block_mask(topk_tiles, 1, 2, 40, 40, device="cpu", BLOCK_SIZE=16)
+    compiled = torch.compile(flex_attention, backend="eager", fullgraph=True)
+    check(compiled(q, k, v, block_mask=block_mask), flex_attention_reference(q, k, v, mask_mod=topk_tiles))
+
+
+def test_kv_batch_of_one_broadcast_with_gqa():
+    """key / value of batch 1 against a query batch of 2 (and 4 query heads over 2): dk, dv are
+    summed over the query batch, a captured bias gets its gradient."""
+    q, _, _ = make_qkv(B=2, H=4, L=40, D=16)
+    _, k, v = make_qkv(B=1, H=2, L=40, D=16)
+    bias = torch.randn(2, 40, requires_grad=True)
+
+    def batch_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[b, kv_idx]
+
+    run(q, k, v, batch_bias, lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, learned=(bias,),
+        enable_gqa=True)
+
+
+def test_few_queries_take_the_decode_kernel_unchanged():
+    """Decode-sized calls (3 queries) with a 0-d offset mask and per-position biases."""
+    offset = torch.tensor(20, dtype=torch.int32)
+    kv_bias, q_bias = torch.randn(45), torch.randn(3)
+
+    def biases(score, b, h, q_idx, kv_idx):
+        return score + kv_bias[kv_idx] + q_bias[q_idx]
+
+    q, k, v = make_qkv(B=2, H=4, Hkv=2, L=3, Lkv=45, D=16)
+    run(q, k, v, biases, lambda b, h, q_idx, kv_idx: kv_idx >= q_idx + offset, grad=False,
+        enable_gqa=True)
+
+
+# --- call sites ------------------------------------------------------------------------------
+
+def test_return_aux_lse_and_max_scores():
+    """return_aux=AuxRequest(lse=..., max_scores=...): the natural-log LSE and each row's largest
+    modded score (float32, -inf for a fully masked row), as torch's AuxOutput."""
+    def double(score, b, h, q_idx, kv_idx):
+        return score * 2
+
+    def first_rows_dead(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx >= 3)
+
+    q, k, v = make_qkv(L=40, D=16)
+    block_mask = create_block_mask(first_rows_dead, 1, 2, 40, 40, device="cpu", BLOCK_SIZE=16)
+    out, aux = flex_attention(q, k, v, double, block_mask, return_aux=AuxRequest(lse=True, max_scores=True))
+    ref, ref_lse = flex_attention_reference(q, k, v, double, first_rows_dead, return_lse=True)
+    check(out, ref, lse=aux.lse, ref_lse=ref_lse)
+    scores = per_element(double, 1, 2, 40, 40, "cpu", (q.double() @ k.double().transpose(-1, -2)) / 4)
+    ref_max = scores.masked_fill(~dense_mask(first_rows_dead, 1, 2, 40, 40), float("-inf")).amax(-1)
+    assert aux.max_scores.dtype == torch.float32 and not aux.max_scores.requires_grad
+    assert torch.equal(torch.isneginf(aux.max_scores), torch.isneginf(ref_max))
+    live = ~torch.isneginf(ref_max)
+    torch.testing.assert_close(aux.max_scores[live].double(), ref_max[live], atol=1e-4, rtol=1e-5)
+    assert flex_attention(q, k, v, double, block_mask, return_aux=AuxRequest())[1] == (None, None)
+    assert_error(lambda: flex_attention(q, k, v, return_lse=True, return_aux=AuxRequest(lse=True)),
+                 InputError, "return_aux")
+
+
+def test_output_keeps_the_query_stride_order():
+    """Queries laid out [B, L, H, D] or [L, B, H, D] (permuted views) give outputs in that order."""
+    def order(t):
+        return sorted(range(4), key=lambda d: (-t.stride(d), d))
+
+    for layout in ((0, 2, 1, 3), (2, 0, 1, 3)):
+        q, k, v = (t.permute(*layout).contiguous().permute(*[layout.index(d) for d in range(4)])
+                   for t in make_qkv(B=2, L=40, D=16))
+        out = flex_attention(q, k, v)
+        assert order(out) == order(q), layout
+        check(out, flex_attention_reference(q, k, v))
+
+
+def test_torch_kernel_options_are_checked():
+    """torch's own kernel options are accepted with torch's types; FORCE_USE_FLEX_ATTENTION asks for
+    the non-decode kernel; wrong values and unknown keys are InputErrors naming them."""
+    q, k, v = make_qkv(L=40, D=16)
+    plain = flex_attention(q, k, v)
+    forced = flex_attention(q, k, v, kernel_options={"FORCE_USE_FLEX_ATTENTION": True,
+                                                     "PRESCALE_QK": False, "waves_per_eu": 0})
+    torch.testing.assert_close(forced, plain)
+    assert_error(lambda: flex_attention(q, k, v, kernel_options={"PRESCALE_QK": "yes"}),
+                 InputError, "PRESCALE_QK", "True or False")
+    assert_error(lambda: flex_attention(q, k, v, kernel_options={"kpack": 2.5}), InputError, "kpack")
+    assert_error(lambda: flex_attention(q, k, v, kernel_options={"BACKEND": "TRITON",
+                                                                 "FORCE_USE_FLEX_ATTENTION": True}),
+                 InputError, "BACKEND", "FORCE_USE_FLEX_ATTENTION")
+    assert_error(lambda: flex_attention(q, k, v, kernel_options={"BLOCK_SIZE_Q": 64}),
+                 InputError, "BLOCK_SIZE_Q")
+
+
+def test_oracle_and_create_mask_evaluate_mods_per_element():
+    """Chained indexing means what it means in torch (vmap per element) in the oracle's dense
+    mask and in create_mask, also for Q_LEN != KV_LEN (a broadcast evaluation took row 0)."""
+    image = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2])
+    intervals = torch.tensor([[0, 7], [1, 7], [7, 12]])
+
+    def vision_cross(b, h, q_idx, kv_idx):
+        interval = intervals[image[kv_idx]]
+        return (q_idx >= interval[0]) & (q_idx < interval[1])
+
+    theirs = tfa.create_mask(vision_cross, 1, 1, 12, 9, device="cpu")
+    assert torch.equal(dense_mask(vision_cross, 1, 1, 12, 9), theirs)
+    assert torch.equal(flexgen.create_mask(vision_cross, 1, 1, 12, 9, device="cpu"), theirs)
+
+
+# --- what cannot become a kernel: clear errors -------------------------------------------------
+
+@torch.library.custom_op("flexgen_compat_test::fast_tanh", mutates_args=())
+def fast_tanh(x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x)
+
+
+class StraightThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(x, mask):
+        return torch.where(mask, x, -float("inf"))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mark_non_differentiable(inputs[1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def test_unsupported_constructs_name_the_mod_construct_and_fix():
+    """A custom operator, an autograd.Function with its own backward, a row too long to unroll
+    and an unknown torch function: each a TraceError naming the mod, the construct and the fix."""
+    q, k, v = make_qkv(L=32, D=16)
+    wide = torch.randn(32, 256)
+
+    def custom_op_softcap(score, b, h, q_idx, kv_idx):
+        return 20 * fast_tanh(score / 20)
+
+    def custom_backward(score, b, h, q_idx, kv_idx):
+        return StraightThrough.apply(score, q_idx >= kv_idx)
+
+    def long_row(score, b, h, q_idx, kv_idx):
+        return score - (wide[q_idx] - wide[kv_idx]).pow(2).sum(-1)
+
+    def cumulative(score, b, h, q_idx, kv_idx):
+        return torch.cumsum(score, 0)
+
+    assert_error(lambda: flex_attention(q, k, v, custom_op_softcap), TraceError, "custom_op_softcap",
+                 "custom operator 'flexgen_compat_test::fast_tanh", "torch functions")
+    assert_error(lambda: flex_attention(q, k, v, custom_backward), TraceError, "custom_backward",
+                 "autograd.Function 'StraightThrough'", "custom backward")
+    assert_error(lambda: flex_attention(q, k, v, long_row), TraceError, "long_row", "256 elements",
+                 "more than the 64", "outside the mod")
+    assert_error(lambda: flex_attention(q, k, v, cumulative), TraceError, "cumulative",
+                 "cumsum", "not supported")
+    assert isinstance(TraceError("x"), FlexgenError)
