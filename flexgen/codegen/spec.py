@@ -19,9 +19,9 @@ import triton
 from .. import __version__
 from ..codegen.printer import Snippet
 
-TEMPLATE_VERSIONS = {"forward": 2, "block_mask": 1,
-                     "decode": 1, "decode_merge": 1, "paged_write": 1,
-                     "backward": 2}
+TEMPLATE_VERSIONS = {"forward": 3, "block_mask": 2,
+                     "decode": 2, "decode_merge": 1, "paged_write": 1,
+                     "backward": 3}
 
 
 def pad_head_dim(d: int) -> int:

@@ -40,7 +40,7 @@ import torch
 from sympy.printing.str import StrPrinter
 
 from ..runtime import launch
-from ..codegen.printer import Address, Snippet, print_address, print_joint
+from ..codegen.printer import Address, Snippet, cast, print_address, print_joint
 from ..errors import FlexgenError
 from ..frontend.expr import INDEX_SYMBOLS, SCORE, NotDifferentiable, derivative, load_applications
 from ..frontend.lowering import lower
@@ -185,9 +185,8 @@ def lower_grad(traced: Traced | None, grad_slots: tuple) -> LoweredGrad:
     grad_buffers = tuple(BufferSig(f"sbuf{i}_grad", traced.buffers[i].dim(), "float32")
                          for i in grad_slots)
     hit = LoweredGrad(
-        dq=_Part(Snippet(dq.lines, dq.results[0], dq.kinds[0]), _score_grad(dq, score_grad_expr)),
-        dkdv=_Part(Snippet(dkdv.lines, dkdv.results[0], dkdv.kinds[0]),
-                   _score_grad(dkdv, score_grad_expr)),
+        dq=_Part(dq.snippet(0), _score_grad(dq, score_grad_expr)),
+        dkdv=_Part(dkdv.snippet(0), _score_grad(dkdv, score_grad_expr)),
         score_grad_const=score_grad_expr is None or _const(score_grad_expr),
         scatters=tuple(scatters), grad_buffers=grad_buffers)
     _GRADS[key] = hit
@@ -198,8 +197,7 @@ def _score_grad(joint, score_grad_expr) -> str | None:
     """The code of d mod / d score in ``joint`` (its second value), as float32."""
     if score_grad_expr is None:
         return None
-    code, kind = joint.results[1], joint.kinds[1]
-    return code if kind == "float" else f"({code}).to(tl.float32)"
+    return cast(joint.results[1], joint.kinds[1], "float")
 
 
 @dataclass(frozen=True)
