@@ -208,3 +208,63 @@ def test_block_mask_kernel_masks_constant_along_an_axis(mask_mod, monkeypatch):
     monkeypatch.undo()
     want = create_block_mask(mask_mod, 1, 2, 128, 96, device="cpu", BLOCK_SIZE=32)
     assert torch.equal(mask.block_states(), want.block_states())
+
+
+# --- constant sub-expressions: computed as torch computes them, never by sympy ---------------
+
+CONSTANT_SUBEXPRESSIONS = {
+    "sin_of_cancelled_position": lambda s, b, h, q, kv: s * torch.sin(q - q + 0.3),
+    "max_with_constant_sin": lambda s, b, h, q, kv: torch.maximum(s, torch.sin(q - q + 0.3)),
+    "log_of_negative": lambda s, b, h, q, kv: s + torch.log(q * 0 - 1.0),
+    "max_with_log_of_negative": lambda s, b, h, q, kv: torch.maximum(s, torch.log(q * 0 - 1.0)),
+    "compare_log_of_negative": lambda s, b, h, q, kv: torch.where(torch.log(q * 0 - 1.0) > 0, s, 0.0),
+    "sqrt_of_negative": lambda s, b, h, q, kv: s + torch.sqrt(kv * 0 - 2.0),
+    "power_of_negative": lambda s, b, h, q, kv: s + (kv * 0 - 2.0) ** 0.5,
+    "max_with_log_of_zero": lambda s, b, h, q, kv: torch.maximum(s, torch.log(q * 0.0)),
+    "min_with_rsqrt_of_zero": lambda s, b, h, q, kv: torch.minimum(s, torch.rsqrt(q * 0.0)),
+    "min_with_one_over_zero": lambda s, b, h, q, kv: torch.minimum(s, 1.0 / (q * 0.0)),
+    "tanh_of_score_over_zero": lambda s, b, h, q, kv: torch.tanh(s / (q - q)),
+    "float_remainder_by_zero": lambda s, b, h, q, kv: s + (q * 0.0 + 3.0) % (kv * 0.0),
+    "remainder_by_inf": lambda s, b, h, q, kv: s + (q * 0.0 + 3.0) % float("inf"),
+    "overflow_minus_overflow": lambda s, b, h, q, kv: s + (torch.exp(q * 0 + 100.0) - torch.exp(q * 0 + 100.0)),
+    "sin_of_inf": lambda s, b, h, q, kv: s + torch.sin(q * 0 + float("inf")),
+    "sigmoid_of_minus_inf": lambda s, b, h, q, kv: s + torch.sigmoid(q * 0.0 - float("inf")),
+    "compare_nan": lambda s, b, h, q, kv: torch.where((q * 0 + float("nan")) > 0, s, 1.0),
+    "max_with_nan": lambda s, b, h, q, kv: torch.maximum(s, q * 0 + float("nan")),
+}
+
+
+@pytest.mark.parametrize("name", CONSTANT_SUBEXPRESSIONS)
+def test_constant_subexpressions_fold_like_torch(name):
+    """sympy raised 'not comparable' / 'Cannot convert expression to float' (or printed
+    AccumBounds) on these; they must give what torch gives, NaN and inf included."""
+    mod = CONSTANT_SUBEXPRESSIONS[name]
+    q, k, v = (torch.randn(1, 2, 40, 32) for _ in range(3))
+    out, lse = flex_attention(q, k, v, score_mod=mod, return_lse=True, kernel_options=OPTIONS)
+    ref, ref_lse = flex_attention_reference(q, k, v, mod, return_lse=True)
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4, equal_nan=True)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-4, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", ["sin_of_cancelled_position", "max_with_constant_sin",
+                                  "max_with_log_of_zero", "min_with_rsqrt_of_zero"])
+def test_constant_subexpressions_differentiate(name):
+    _check_gradients(CONSTANT_SUBEXPRESSIONS[name], 40)
+
+
+def test_integer_division_by_constant_zero_is_a_trace_error():
+    """torch raises for an integer // or % by zero; so does flexgen, naming the mod."""
+    def divides_by_zero(score, b, h, q_idx, kv_idx):
+        return score + q_idx // (kv_idx - kv_idx)
+
+    q = torch.randn(1, 1, 20, 16)
+    with pytest.raises(flexgen.TraceError, match="divides_by_zero.*always 0"):
+        flex_attention(q, q, q, score_mod=divides_by_zero)
+
+
+def test_every_traced_op_folds():
+    """Each op the converter knows has a torch computation for constant operands."""
+    from flexgen.frontend import expr
+    ops = {name[3:] for name in dir(expr._Converter) if name.startswith("op_")} - {"var", "const", "load"}
+    foldable = set(expr._FOLD) | set(expr._FOLD_IN_NODE_DTYPE) | set(expr._FOLD_LOGICAL)
+    assert ops <= foldable, ops - foldable
