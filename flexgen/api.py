@@ -20,6 +20,7 @@ from .codegen.cache import source
 from .runtime.checks import DTYPES, check_buffers, check_heads, check_scale, check_tensor
 from .kernels.decode import decode_attention, few_queries
 from .errors import expected
+from .frontend.bounds_check import check_call_indices
 from .frontend.lowering import lower
 from .codegen.spec import KernelSpec, dot_precision, kernel_spec, mod_fields, tma_supported
 from .frontend.trace import trace_cached
@@ -249,6 +250,8 @@ def _plan_call(query, key, value, score_traced, block_mask, scale, enable_gqa, k
         mask_buffers = mask_traced.buffers
         sparse = (*block_mask.broadcast_lists("kv", B, Hq), sparse_q, sparse_kv)
 
+    # Captured tensors indexed out of bounds raise here, as torch would (frontend/bounds_check.py).
+    check_call_indices(score_traced, block_mask and block_mask.traced(), B, Hq, Q_LEN, key.shape[2])
     opts = _options(tuning.forward_kernel(score, block_mask is not None), kernel_options, max(D, Dv),
                     DTYPES[query.dtype], device, sparse_q, sparse_kv)
     spec = kernel_spec(

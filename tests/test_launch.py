@@ -238,7 +238,7 @@ def test_a_repeated_call_reuses_its_plan():
                                     "alignment"])
 def test_anything_the_plan_reads_makes_a_new_plan(change):
     q = torch.randn(1, 2, 40, 32)
-    bias = torch.randn(2)
+    bias = torch.randn(4)       # one per head of the GQA case's query heads (h indexes it)
 
     def biased(score, b, h, q_idx, kv_idx):
         return score + bias[h]
@@ -268,7 +268,7 @@ def test_anything_the_plan_reads_makes_a_new_plan(change):
     elif change == "score_mod":
         args.update(score_mod=lambda score, b, h, q_idx, kv_idx: score * 2)
     elif change == "captured_tensor":
-        bias = torch.randn(2, dtype=torch.float64)     # the closure now reads a new tensor
+        bias = torch.randn(4, dtype=torch.float64)     # the closure now reads a new tensor
     elif change == "alignment":
         args.update(q=_misaligned(q))                  # same shape and strides
     second = _prepare(**args)

@@ -42,6 +42,7 @@ from ..masks.block_mask import BlockMask
 from ..codegen.cache import source
 from ..runtime.checks import DTYPES, check_buffers, check_heads, check_scale, check_tensor
 from ..errors import expected
+from ..frontend.bounds_check import check_decode_indices
 from ..frontend.lowering import lower
 from ..codegen.spec import dot_precision, kernel_spec, mod_fields
 from ..frontend.trace import trace_cached as _trace
@@ -524,6 +525,8 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kv_length
     if q_lengths is not None and host_ql is not None and (min(host_ql) < 0 or max(host_ql) > Lq):
         raise expected("q_lengths", f"counts from 0 to {Lq} (the query's length)",
                        f"{min(host_ql)} .. {max(host_ql)}", "pad the query to the longest count")
+    # Captured tensors indexed out of bounds raise here, as torch would (frontend/bounds_check.py).
+    check_decode_indices(score_traced, mask_traced, query.shape[:3], q_offsets, host_ql, host_kv, kv_max)
     if max_kv_len is None:
         max_kv_len = capacity if kv_max is None else kv_max
 

@@ -18,6 +18,7 @@ from ..runtime import launch
 from . import bounds, mask_eval
 from ..runtime.checks import check_buffers
 from ..errors import expected
+from ..frontend.bounds_check import check_call_indices
 from ..frontend.lowering import buffer_map, lower
 from ..codegen.spec import KernelSpec
 from ..frontend.trace import trace, trace_cached
@@ -269,6 +270,7 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     traced = trace_cached(mask_mod, "mask_mod")
     lowered = lower(traced)
     check_buffers(traced, device, like="the mask")
+    check_call_indices(None, traced, Bn, Hn, Q_LEN, KV_LEN)   # as torch's indexing would raise
     hit = _block_hits(lowered, traced, Bn, Hn, Q_LEN, KV_LEN, q_block, kv_block, device)
     kv_lists, q_lists = _lists(hit)
     mask = BlockMask(*kv_lists, *q_lists, (q_block, kv_block), mask_mod, (Q_LEN, KV_LEN))
