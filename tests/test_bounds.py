@@ -2,9 +2,16 @@
 
 ``flexgen.frontend.bounds_check`` checks every index that depends on positions
 only, before launch, over the call's ranges; indices that depend on loaded data
-read 0 past the end.
+are checked on the device in debug mode (``FLEXGEN_DEBUG=1``, in a subprocess
+here: the flag is read at import) and otherwise read 0 past the end.
 """
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -152,3 +159,73 @@ def test_reads_that_depend_on_data_give_zero_past_the_end_without_debug_mode():
     out = flex_attention(q, k, v, score_mod=doc_bias, kernel_options=OPTIONS)
     torch.testing.assert_close(out.double(), flex_attention_reference(q, k, v, padded_bias),
                                atol=1e-4, rtol=1e-4)
+
+
+_DEBUG_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch, triton
+    import flexgen
+    from flexgen.reference import flex_attention_reference
+    from flexgen.runtime import aot
+
+    bias = torch.randn(30)
+    doc = torch.randint(0, 30, (40,), dtype=torch.int32)
+
+    def doc_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[doc[q_idx]]
+
+    def doc_mask(b, h, q_idx, kv_idx):
+        return bias[doc[kv_idx]] > -1.0
+
+    q = torch.randn(1, 2, 40, 16)
+    report = {}
+    with aot.recording() as launches:
+        out = flexgen.flex_attention(q, q, q, score_mod=doc_bias)
+    report["in_range_error"] = (out.double() - flex_attention_reference(q, q, q, doc_bias)).abs().max().item()
+    spec, args, constexprs = launches[0]
+    report["key"] = spec.key
+    source = flexgen.kernel_source(q, q, q, score_mod=doc_bias)
+    report["asserts"] = source.count("tl.device_assert(")
+    report["jit_debug"] = "debug=True)" in source
+    # The sm_90 compile keeps the asserts when Triton compiles in debug mode, as on the GPU.
+    compile = triton.compile
+    aot.triton.compile = lambda src, target, options: compile(src, target=target,
+                                                              options=dict(options, debug=True))
+    compiled = aot.compile_launch(spec, args, constexprs)
+    report["ptx_asserts"] = compiled.asm["ptx"].count("__assertfail")
+    doc[7] = 35                  # past bias's end, known only on the device
+    for name, call in (("score_mod", lambda: flexgen.flex_attention(q, q, q, score_mod=doc_bias)),
+                       ("mask_mod", lambda: flexgen.create_block_mask(doc_mask, 1, 1, 40, 40, device="cpu"))):
+        try:
+            call()
+            report[name] = None
+        except Exception as exc:
+            report[name] = f"{type(exc).__name__}: {exc}"
+    print(json.dumps(report))
+""")
+
+
+def test_debug_mode_catches_reads_past_a_tensor_on_the_device(tmp_path):
+    env = dict(os.environ, FLEXGEN_DEBUG="1", FLEXGEN_CACHE_DIR=str(tmp_path / "kernels"))
+    done = subprocess.run([sys.executable, "-c", _DEBUG_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["in_range_error"] < 1e-4
+    assert report["asserts"] == 2 and report["jit_debug"]         # one per load: doc, then bias
+    assert report["ptx_asserts"] >= 1
+    for kind in ("score_mod", "mask_mod"):
+        assert report[kind] and "AssertionError" in report[kind], report[kind]
+        assert f"the {kind} reads its captured tensor 1 out of bounds" in report[kind]
+
+    # Debug and normal kernels never share a key.
+    bias, doc = torch.randn(30), torch.randint(0, 30, (40,), dtype=torch.int32)
+    q = torch.randn(1, 2, 40, 16)
+
+    def doc_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[doc[q_idx]]
+
+    from flexgen.runtime import aot
+    with aot.recording() as launches:
+        flex_attention(q, q, q, score_mod=doc_bias)
+    assert not launches[0][0].debug and launches[0][0].key != report["key"]

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import sympy
 from sympy.core.function import UndefinedFunction
 
+from ..codegen import debug
 from ..frontend.expr import SYMBOLS, BitAnd, BitNot, BitOr, BitXor, Sigmoid, Trunc, free_indices
 
 
@@ -49,6 +50,11 @@ class Snippet:
         if literal_value(self.result) is not None:
             return f"tl.full(({rows}, {cols}), {self.result}, {TL_DTYPES[self.kind]})"
         return f"tl.broadcast_to({self.result}, ({rows}, {cols}))"
+
+    @property
+    def checks_reads(self) -> bool:
+        """Whether the statements assert that loads stay in bounds (debug mode): they read ``live``."""
+        return any(line.startswith("tl.device_assert(") for line in self.lines)
 
 
 _SPECIAL_FLOATS = {'float("nan")': float("nan"), 'float("inf")': float("inf"),
@@ -397,7 +403,15 @@ class TritonPrinter:
             code = f"tl.load({name}_ptr)"
         else:
             offsets, in_bounds = self._index_terms(e, name)
-            # Positions outside the tensor (only reached in padded tails) read 0.
+            if debug.DEBUG:
+                # ``live``: the tile's real positions (the template binds it); padding may
+                # index anything. The host checked what it could (frontend/bounds_check.py).
+                mod = "score_mod" if name.startswith("s") else "mask_mod"
+                self.lines.append(f"tl.device_assert(({' & '.join(in_bounds)}) | (live == 0), \"flexgen "
+                                  f"(FLEXGEN_DEBUG=1): the {mod} reads its captured tensor {name[4:]} "
+                                  f"out of bounds (torch raises IndexError)\")")
+            # Positions outside the tensor (padded tails; without debug mode, also an index
+            # the host could not check) read 0.
             code = (f"tl.load({name}_ptr + {' + '.join(offsets)}, "
                     f"mask={' & '.join(in_bounds)}, other=0)")
         integer = bool(e.is_integer)

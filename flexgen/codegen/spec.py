@@ -17,11 +17,12 @@ import torch
 import triton
 
 from .. import __version__
+from ..codegen import debug
 from ..codegen.printer import Snippet
 
-TEMPLATE_VERSIONS = {"forward": 3, "block_mask": 2,
-                     "decode": 2, "decode_merge": 1, "paged_write": 1,
-                     "backward": 3}
+TEMPLATE_VERSIONS = {"forward": 4, "block_mask": 3,
+                     "decode": 3, "decode_merge": 1, "paged_write": 1,
+                     "backward": 4}
 
 
 def pad_head_dim(d: int) -> int:
@@ -54,6 +55,7 @@ class KernelSpec:
     num_stages: int = 1
     dot_precision: str = "ieee"
     use_tma: bool = False          # forward, backward: the [B, H, L, D] tensors through TMA descriptors
+    debug: bool = debug.DEBUG      # FLEXGEN_DEBUG: loads of captured tensors asserted in bounds
     flexgen_version: str = __version__
     triton_version: str = triton.__version__
 
