@@ -332,6 +332,9 @@ def create_mask(mod, B, H, Q_LEN, KV_LEN, device=None) -> torch.Tensor:
     device = torch.device(device) if device is not None else default_device()
     Bn, Hn = B or 1, H or 1
     names = getattr(getattr(mod, "__code__", None), "co_argcount", 4)
+    # The same TraceError as every other entry point for a mod flexgen cannot run (a mask_mod
+    # returning floats, say), though the mask itself is evaluated with torch below.
+    trace_cached(mod, "score_mod" if names == 5 else "mask_mod")
     if names == 5:
         b, h, q, kv = index_grids(Bn, Hn, Q_LEN, KV_LEN, device)
         scores = torch.zeros(Bn, Hn, Q_LEN, KV_LEN, device=device)
