@@ -126,6 +126,21 @@ def test_decode_checks_the_positions_of_its_longest_sequence():
         flex_attention(q, k, k, score_mod=lambda s, b, h, q_idx, kv_idx: s + bias[kv_idx])
 
 
+def test_decode_steps_with_tensors_sized_to_the_cache_repeat_one_memoized_check():
+    """Every decode step has new lengths; a check over the whole cache does not change with them."""
+    doc = torch.zeros(2, 64, dtype=torch.int32)
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return doc[b, kv_idx] == doc[b, q_idx]
+
+    q, k = torch.randn(2, 2, 1, 16), torch.randn(2, 2, 64, 16)
+    decode_attention(q, k, k, mask_mod=same_doc, kv_lengths=[10, 20])
+    entries = len(bounds_check._CHECKED)
+    for step in range(3):
+        decode_attention(q, k, k, mask_mod=same_doc, kv_lengths=[11 + step, 21 + step])
+    assert len(bounds_check._CHECKED) == entries
+
+
 def test_check_indices_is_a_pure_memoized_function_of_shapes_and_ranges():
     bias = torch.randn(30)
     lowered = lower(trace(lambda s, b, h, q_idx, kv_idx: s + bias[q_idx + kv_idx], "score_mod"))
@@ -135,9 +150,9 @@ def test_check_indices_is_a_pure_memoized_function_of_shapes_and_ranges():
     check_indices(lowered, "score_mod", "m", ((30,),), 1, 1, (10, 20), 10)   # 10 .. 28
     check_indices(lowered, "score_mod", "m", ((30,),), 1, 1, None, 100)      # unknown q: not checked
     check_indices(lowered, "score_mod", "m", ((30,),), 1, 1, 0, 100)         # no positions
-    hits = check_indices.cache_info().hits
-    check_indices(lowered, "score_mod", "m", ((30,),), 1, 1, 15, 16)
-    assert check_indices.cache_info().hits == hits + 1
+    entries = len(bounds_check._CHECKED)
+    check_indices(lowered, "score_mod", "m", ((30,),), 2, 4, 15, 16)      # b, h unread: a memo hit
+    assert len(bounds_check._CHECKED) == entries
     assert bounds_check.decode_ranges((2, 4, 3), None, None, [10, 50], 50) == [((1, 2), 4, (47, 50), 50),
                                                                                 ((0, 1), 4, (7, 10), 10)]
 

@@ -21,7 +21,6 @@ call costs a dict lookup, and mods without captured tensors return at once.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import sympy
@@ -29,10 +28,12 @@ import torch
 
 from ..errors import InputError
 from ..frontend.expr import INDEX_SYMBOLS, is_load
+from ..frontend.lowering import lower
 
 # A range of one position variable: n (for [0, n)), a half-open (lo, hi), or None (unknown:
 # an index that depends on it is not checked).
 _NAMES = ("b", "h", "q_idx", "kv_idx")
+_SYMBOLS = tuple(INDEX_SYMBOLS[n] for n in _NAMES)
 
 
 class IndexBoundsError(InputError, IndexError):
@@ -46,34 +47,79 @@ def check_call_indices(score_traced, mask_traced, B, H, Q_LEN, KV_LEN) -> None:
     over the call, each ``n`` (for [0, n)), a half-open ``(lo, hi)``, or None when unknown.
     Raises ``IndexBoundsError`` for an index that leaves its tensor at some position.
     """
-    from ..frontend.lowering import lower      # lowering imports the printer, which imports expr
     for traced in (score_traced, mask_traced):
         if traced is not None and traced.buffers:
             check_indices(lower(traced), traced.kind, traced.name,
                           tuple(tuple(t.shape) for t in traced.buffers), B, H, Q_LEN, KV_LEN)
 
 
-@functools.lru_cache(maxsize=4096)
+# (id(lowered), kind, name, shapes, ranges) -> (lowered, error message or None). Keyed by
+# identity, not by the LoweredMod's hash (a walk over its snippet), since it runs per decode
+# step; the entry holds the object, so its id is not reused while the entry exists.
+_CHECKED: dict = {}
+_CHECKED_MAX = 4096
+
+
 def check_indices(lowered, kind: str, name: str, shapes: tuple, B, H, Q_LEN, KV_LEN) -> None:
     """``check_call_indices`` for one lowered mod (``kind`` / ``name`` for the message) whose
     captured tensors have ``shapes``. Memoized; raises ``IndexBoundsError``."""
-    ranges = {INDEX_SYMBOLS[n]: _half_open(r) for n, r in zip(_NAMES, (B, H, Q_LEN, KV_LEN))}
-    if any(r is not None and r[0] >= r[1] for r in ranges.values()):
+    ranges = tuple(_half_open(r) for r in (B, H, Q_LEN, KV_LEN))
+    if any(r is not None and r[0] >= r[1] for r in ranges):
         return                          # no position at all (a zero length, batch or head count)
-    for load in sorted(lowered.expr.atoms(sympy.Function), key=sympy.default_sort_key):
-        if not is_load(load) or not load.args:
-            continue
-        slot = int(load.func.__name__[4:])           # "sbuf3" / "mbuf3"
-        for dim, index in enumerate(load.args):
-            size = shapes[slot][dim]
-            message = _out_of_bounds(index, size, ranges)
-            if message:
-                raise IndexBoundsError(
-                    f"{kind} '{name}': captured tensor {slot} (shape {list(shapes[slot])}) is indexed "
-                    f"out of bounds along dim {dim}: the index `{index}` {message}, but that dim has "
+    indices, used = _indices(lowered)
+    # The memo sees only the ranges the indices read: a decode step's new length does not
+    # miss it for a mod that indexes by head (ALiBi slopes).
+    key = (id(lowered), kind, name, shapes, tuple(r if n in used else None for n, r in zip(_NAMES, ranges)))
+    hit = _CHECKED.get(key)
+    if hit is None or hit[0] is not lowered:
+        if len(_CHECKED) >= _CHECKED_MAX:
+            _CHECKED.clear()
+        hit = _CHECKED[key] = (lowered, _error(indices, kind, name, shapes, dict(zip(_SYMBOLS, key[-1]))))
+    if hit[1] is not None:
+        raise IndexBoundsError(hit[1])
+
+
+_INDICES: dict = {}          # id(lowered) -> (lowered, its checkable indices, the names they read)
+
+
+def _indices(lowered) -> tuple:
+    """((slot, dim, index, its position symbols) of each index of a captured tensor that depends
+    on positions only, the position names they read): what the host can check, walked once."""
+    hit = _INDICES.get(id(lowered))
+    if hit is None or hit[0] is not lowered:
+        found = []
+        loads = sorted((f for f in lowered.expr.atoms(sympy.Function) if is_load(f) and f.args),
+                       key=sympy.default_sort_key)
+        for load in loads:
+            slot = int(load.func.__name__[4:])           # "sbuf3" / "mbuf3"
+            for dim, index in enumerate(load.args):
+                free = tuple(sorted(index.free_symbols, key=str))
+                # The score or loaded data in an index: known only on the device.
+                data = any(is_load(f) for f in index.atoms(sympy.Function))
+                if all(s in _SYMBOLS for s in free) and not data:
+                    found.append((slot, dim, index, free))
+        used = frozenset(s.name for *_, free in found for s in free)
+        hit = _INDICES[id(lowered)] = (lowered, tuple(found), used)
+    return hit[1:]
+
+
+def index_variables(lowered) -> frozenset:
+    """The position names (b, h, q_idx, kv_idx) that the host-checkable indices of ``lowered`` read."""
+    return _indices(lowered)[1]
+
+
+def _error(indices, kind: str, name: str, shapes: tuple, ranges: dict) -> str | None:
+    """The message for the first index that leaves its tensor, or None."""
+    for slot, dim, index, free in indices:
+        size = shapes[slot][dim]
+        where = _out_of_bounds(index, free, size, ranges)
+        if where:
+            return (f"{kind} '{name}': captured tensor {slot} (shape {list(shapes[slot])}) is indexed "
+                    f"out of bounds along dim {dim}: the index `{index}` {where}, but that dim has "
                     f"{size} entries (valid indices {-size}..{size - 1}; torch raises IndexError here). "
                     f"Fix: give the tensor more entries along dim {dim}, or clamp the index "
                     f"(torch.clamp(index, 0, {size - 1}))")
+    return None
 
 
 def _half_open(r):
@@ -82,15 +128,14 @@ def _half_open(r):
     return (0, int(r)) if isinstance(r, int) else (int(r[0]), int(r[1]))
 
 
-def _out_of_bounds(index, size: int, ranges: dict) -> str | None:
-    """A phrase saying where ``index`` leaves [-size, size), or None when it does not (or is unknown)."""
+def _out_of_bounds(index, free, size: int, ranges: dict) -> str | None:
+    """A phrase saying where ``index`` (over position symbols ``free``) leaves [-size, size), or
+    None when it does not (or where a range it reads is unknown)."""
     if index.is_Integer:
         i = int(index)
         return None if -size <= i < size else f"is {i}"
-    free = [s for s in index.free_symbols if s in ranges]
-    if (len(free) != len(index.free_symbols) or any(ranges[s] is None for s in free)
-            or any(is_load(f) for f in index.atoms(sympy.Function))):
-        return None                     # the score, loaded data or an unknown range: not here
+    if any(ranges[s] is None for s in free):
+        return None
     lo, hi = _Interval(ranges)(index)
     if -size <= lo and hi < size:
         return None
@@ -103,7 +148,7 @@ def _out_of_bounds(index, size: int, ranges: dict) -> str | None:
     bad = [v for v in values if not -size <= v < size]
     if not bad:
         return None
-    where = ", ".join(f"{s} in [{ranges[s][0]}, {ranges[s][1]})" for s in sorted(free, key=str))
+    where = ", ".join(f"{s} in [{ranges[s][0]}, {ranges[s][1]})" for s in free)
     return f"takes values from {min(values)} to {max(values)} for {where}"
 
 
@@ -209,20 +254,32 @@ def _mul(x: float, y: float) -> float:
 
 
 def check_decode_indices(score_traced, mask_traced, query_shape, q_offsets, host_q_lengths,
-                         host_kv_lengths, kv_max) -> None:
-    """``check_call_indices`` for a decode call, sequence by sequence where they differ.
+                         host_kv_lengths, kv_max, capacity: int) -> None:
+    """``check_call_indices`` for a decode call, whose sequences differ in their positions.
 
-    Sequences differ in their positions (queries at their own offsets, keys up to
-    their own lengths), and the corners of a box around all of them need not be
-    real positions, so real sequences are checked: those that reach furthest
-    (the longest, the one whose queries end last, the one whose queries start
-    first), a handful of memoized checks whatever the batch. ``query_shape`` is
-    (B, H, Lq); ``host_q_lengths`` / ``host_kv_lengths`` are per-sequence lists or
-    None (the default: every sequence ``Lq`` queries / ``kv_max`` keys; or lengths
-    on the GPU, never read back, as are CUDA ``q_offsets``); ``kv_max`` None: unknown.
+    Decode steps come one after the other with new lengths, so the first check is
+    one that does not change with them: every position of the cache (``q_idx``
+    and ``kv_idx`` in [0, ``capacity``), memoized), which passes for tensors
+    sized to the cache. Where it does not, the call's own positions decide:
+    the corners of a box around all sequences need not be real positions, so
+    real sequences are checked, those that reach furthest (the longest, the one
+    whose queries end last, the one whose queries start first). Queries without
+    ``q_offsets`` are taken to lie within their sequence (the last ones).
+    ``query_shape`` is (B, H, Lq); ``host_q_lengths`` / ``host_kv_lengths`` are
+    per-sequence lists or None (the default: every sequence ``Lq`` queries /
+    ``kv_max`` keys; or lengths on the GPU, never read back, as are CUDA
+    ``q_offsets``); ``kv_max`` None: unknown.
     """
     if not any(t is not None and t.buffers for t in (score_traced, mask_traced)):
         return                          # the common case, on every decode step: nothing to check
+    B, H, Lq = query_shape
+    within = q_offsets is None or (isinstance(q_offsets, int) and 0 <= q_offsets <= capacity - Lq)
+    if within:
+        try:
+            check_call_indices(score_traced, mask_traced, B, H, capacity, capacity)
+            return
+        except IndexBoundsError:
+            pass                        # somewhere in the cache: are this call's positions there?
     for ranges in decode_ranges(query_shape, q_offsets, host_q_lengths, host_kv_lengths, kv_max):
         check_call_indices(score_traced, mask_traced, *ranges)
 

@@ -526,7 +526,8 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kv_length
         raise expected("q_lengths", f"counts from 0 to {Lq} (the query's length)",
                        f"{min(host_ql)} .. {max(host_ql)}", "pad the query to the longest count")
     # Captured tensors indexed out of bounds raise here, as torch would (frontend/bounds_check.py).
-    check_decode_indices(score_traced, mask_traced, query.shape[:3], q_offsets, host_ql, host_kv, kv_max)
+    check_decode_indices(score_traced, mask_traced, query.shape[:3], q_offsets, host_ql, host_kv, kv_max,
+                         capacity)
     if max_kv_len is None:
         max_kv_len = capacity if kv_max is None else kv_max
 
