@@ -226,7 +226,8 @@ CONSTANT_SUBEXPRESSIONS = {
     "tanh_of_score_over_zero": lambda s, b, h, q, kv: torch.tanh(s / (q - q)),
     "float_remainder_by_zero": lambda s, b, h, q, kv: s + (q * 0.0 + 3.0) % (kv * 0.0),
     "remainder_by_inf": lambda s, b, h, q, kv: s + (q * 0.0 + 3.0) % float("inf"),
-    "overflow_minus_overflow": lambda s, b, h, q, kv: s + (torch.exp(q * 0 + 100.0) - torch.exp(q * 0 + 100.0)),
+    "overflow_minus_overflow": lambda s, b, h, q, kv: s + (torch.exp(q * 0 + 100.0)
+                                                           - torch.exp(q * 0 + 100.0)),
     "sin_of_inf": lambda s, b, h, q, kv: s + torch.sin(q * 0 + float("inf")),
     "sigmoid_of_minus_inf": lambda s, b, h, q, kv: s + torch.sigmoid(q * 0.0 - float("inf")),
     "compare_nan": lambda s, b, h, q, kv: torch.where((q * 0 + float("nan")) > 0, s, 1.0),

@@ -27,7 +27,10 @@ noise: q and k hold multiples of 1/4 in [-1, 1] and the scale is 1/2 or 1/4,
 so every score is exact in float32 as in float64; float constants that a score
 is compared with, clamped to or floored at are never on that grid (no ties);
 exp sees a bounded argument, log and division see ``abs(x) + 1``, and products
-are kept below ~50 in magnitude (``Expr.bound``).
+are kept below ~50 in magnitude (``Expr.bound``). For gradients, kinks (abs,
+minimum, maximum, clamp) take only operands that float32 and float64 compute
+alike: elsewhere rounding could pick the other side of a kink in each
+precision, and the gradient with it (``_Gen``).
 
 Budget: ``CI_EXAMPLES`` examples per test (a fixed seed, so the same examples
 every run), after replaying the failures stored in ``tests/fuzz_db/``
@@ -91,7 +94,8 @@ class Buf:
 
     def __repr__(self):
         if self.kind == "int":
-            return f"{self.name} = torch.randint({self.low}, {self.high + 1}, {list(self.shape)}, dtype={self.dtype})"
+            return (f"{self.name} = torch.randint({self.low}, {self.high + 1}, {list(self.shape)}, "
+                    f"dtype={self.dtype})")
         if self.kind == "bool":
             return f"{self.name} = torch.rand({list(self.shape)}) < 0.5"
         return f"{self.name} = torch.randn({list(self.shape)}, dtype={self.dtype})"
@@ -207,8 +211,8 @@ def node(op, *args, kind="float", bound=None):
     """An Expr whose flags follow from its children's (bound: the children's largest by default)."""
     children = [x for x in args if isinstance(x, Expr)]
     if bound is None:
-        bound = max([x.bound for x in children] + [abs(x) for x in args
-                                                   if isinstance(x, (int, float)) and not isinstance(x, bool)])
+        numbers = [abs(x) for x in args if isinstance(x, (int, float)) and not isinstance(x, bool)]
+        bound = max([x.bound for x in children] + numbers)
     score = any(x.score for x in children)
     learnable = any(x.learnable for x in children)
     step = any(x.step for x in children) or (op in ("floor", "ceil", "sign") and (score or learnable))
@@ -227,10 +231,18 @@ POSITIONS = {"q_idx": 127, "kv_idx": 127, "b": 1, "h": 5}
 
 
 class _Gen:
-    """Draws typed trees for one example (what they may read: the score, the buffers)."""
+    """Draws typed trees for one example (what they may read: the score, the buffers).
 
-    def __init__(self, draw, buffers, with_score: bool):
-        self.draw, self.buffers, self.with_score = draw, buffers, with_score
+    ``smooth`` (for gradients): kinks (abs, minimum, maximum, clamp) only take operands
+    that float32 and float64 compute alike (``_exact``), and log, division and exp
+    use smooth guards instead of abs and clamp. A kink of a value computed with
+    rounding (tanh(2 * score + 5) ** 2 against (score % 1.3) ** 2: float32's tanh is
+    exactly 1 where float64's is not) can pick the other side in each precision,
+    and the gradient with it: the oracle would differ, and no kernel be wrong.
+    """
+
+    def __init__(self, draw, buffers, with_score: bool, smooth: bool = False):
+        self.draw, self.buffers, self.with_score, self.smooth = draw, buffers, with_score, smooth
 
     def pick(self, options):
         return self.draw(st.sampled_from(options))
@@ -364,9 +376,12 @@ class _Gen:
         if op == "fmod":
             return node("mod", self.score_linear(), self.pick(FMOD_DIVISORS), bound=max(FMOD_DIVISORS))
         x = self.float(depth - 1)
+        if self.smooth and op in ("abs", "clamp", "minimum", "maximum") and not _exact(x):
+            x = self.exact_float(depth - 1)
         if op in ("add", "sub", "mul"):
             y = self.pick(["tree", "float", "int"])
-            y = self.float(depth - 1) if y == "tree" else self.pick(FLOAT_CONSTS if y == "float" else INT_CONSTS)
+            y = self.float(depth - 1) if y == "tree" else \
+                self.pick(FLOAT_CONSTS if y == "float" else INT_CONSTS)
             bound = x.bound * _bound(y) if op == "mul" else x.bound + _bound(y)
             if op == "mul" and bound > MAX_FLOAT:
                 return node("add", x, y, bound=x.bound + _bound(y))
@@ -376,15 +391,17 @@ class _Gen:
                 c = self.pick((2.1, -0.7, 3))
                 return node("truediv", x, c, bound=x.bound / abs(c))
             y = self.float(depth - 1)
-            return node("truediv", x, node("add", node("abs", y), 1.0, bound=y.bound + 1), bound=x.bound)
+            return node("truediv", x, node("add", self.magnitude(y), 1.0, bound=y.bound + 1), bound=x.bound)
         if op in ("neg", "abs"):
             return node(op, x)
         if op == "exp":
             if x.bound > 3:
-                x = node("clamp", x, -2.9, 2.9, bound=2.9)
+                x = node("mul", node("tanh", x, bound=1.0), 2.9, bound=2.9) if self.smooth else \
+                    node("clamp", x, -2.9, 2.9, bound=2.9)
             return node("exp", x, bound=math.exp(x.bound))
         if op == "log":
-            return node("log", node("add", node("abs", x), 1, bound=x.bound + 1), bound=math.log(x.bound + 1))
+            m = self.magnitude(x)
+            return node("log", node("add", m, 1, bound=m.bound + 1), bound=math.log(m.bound + 1))
         if op in ("tanh", "sigmoid", "sin", "cos"):
             return node(op, x, bound=1.0)
         if op == "clamp":
@@ -395,7 +412,8 @@ class _Gen:
             return node("clamp", x, lo, hi, bound=min(x.bound, max(abs(v) for v in (lo, hi) if v is not None))
                         if which == "both" else max(x.bound, abs(lo or 0), abs(hi or 0)))
         if op in ("minimum", "maximum"):
-            return node(op, x, self.float(depth - 1))
+            y = self.exact_float(depth - 1) if self.smooth else self.float(depth - 1)
+            return node(op, x, y)
         if op == "where":
             y = self.float(depth - 1) if d(st.booleans()) else self.pick(FLOAT_CONSTS + INT_CONSTS)
             return node("where", self.bool(depth - 1), x, y)
@@ -404,6 +422,34 @@ class _Gen:
                 x = node("tanh", x, bound=1.0)
             return node("pow", x, 2, bound=x.bound ** 2)
         return node("sub", x, x, bound=0.0)                   # cancel: x - x, a constant
+
+
+    def magnitude(self, x):
+        """|x| (x * x where a kink at 0 would matter), for log(... + 1) and x / (... + 1)."""
+        if self.smooth and not _exact(x):
+            return node("mul", x, x, bound=x.bound ** 2)
+        return node("abs", x)
+
+    def exact_float(self, depth):
+        """A float that float32 and float64 compute alike (``_exact``)."""
+        choices = ["index"] + ["score"] * self.with_score + ["load"] * bool(self.of("float"))
+        choice = self.pick(choices)
+        if choice == "score":
+            return self.score_linear()
+        if choice == "load":
+            return self.load(self.pick(self.of("float")), depth)
+        x = self.int(depth)
+        return _tame(node("mul", x, self.pick((0.1, -0.05, 1.28)), bound=x.bound * 1.28))
+
+
+def _exact(e) -> bool:
+    """Whether float32 (the kernel) and float64 (the oracle) compute ``e`` alike: no gradient
+    flows through it, or it is the (exact) score times an integer, or a loaded value."""
+    if not (e.score or e.learnable) or e.op in ("var", "load", "scalar"):
+        return True
+    if e.op == "float":
+        return _exact(e.args[0])
+    return e.op == "mul" and isinstance(e.args[0], Expr) and e.args[0].op == "var" and isinstance(e.args[1], int)
 
 
 def _bound(v) -> float:
@@ -483,7 +529,7 @@ def examples(draw, grad: bool):
         buffers.append(Buf(f"flags{i}", "bool", draw(st.sampled_from([(9,), (2, 40)])), torch.bool))
     for i in range(n_scalar):
         buffers.append(Buf(f"scalar{i}", "scalar", ()))
-    gen = _Gen(draw, buffers, with_score=True)
+    gen = _Gen(draw, buffers, with_score=True, smooth=grad)
     score = None
     if draw(st.integers(0, 5)):
         score = gen.int(3) if draw(st.integers(0, 9)) == 0 else gen.float(draw(st.integers(1, 4)))

@@ -208,7 +208,7 @@ class _Converter:
 
     def _convert(self, node: Node):
         children = [a for a in node.args if isinstance(a, Node)]
-        if children and node.op not in ("load", "var", "const") and all(is_constant(self(c)) for c in children):
+        if node.op != "load" and children and all(is_constant(self(c)) for c in children):
             return self._fold(node, children)
         e = getattr(self, "op_" + node.op, self.generic)(node, *node.args)
         if node.op in _MAY_LEAVE_REALS and e.has(sympy.I, sympy.zoo):
