@@ -12,8 +12,15 @@ from .api import AuxOutput, AuxRequest, decode_attention, flex_attention, kernel
 from .api import sigmoid_attention, sigmoid_kernel_source  # noqa: E402
 from .api import linear_attention, linear_attention_decode, linear_kernel_source  # noqa: E402
 from .kernels.paged import CacheFullError, PagedKVCache  # noqa: E402
-from .runtime.tuning import autotune  # noqa: E402
 from .mods.combinators import and_masks, noop_mask, or_masks  # noqa: E402
+
+
+def __getattr__(name):
+    # Loaded on first use, so ``import flexgen`` stays cheap: the tuner (it needs triton).
+    if name == "autotune":
+        from .runtime.tuning import autotune
+        return autotune
+    raise AttributeError(f"module 'flexgen' has no attribute {name!r}")
 
 
 def clear_caches() -> None:

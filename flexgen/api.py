@@ -14,11 +14,8 @@ import math
 
 import torch
 
-from .codegen.cache import source
 from .errors import expected, reported
-from .frontend.trace import trace_cached
 from .masks.block_mask import mask_inputs
-from .runtime import ops
 from .runtime.options import parse_options
 
 try:     # torch >= 2.9: return_aux
@@ -35,6 +32,28 @@ except ImportError:  # pragma: no cover - older torch
         """``flex_attention``'s auxiliary outputs (torch's AuxOutput)."""
         lse: torch.Tensor | None = None
         max_scores: torch.Tensor | None = None
+
+
+# The tracer, the custom ops (and the planner and kernels behind them) and the renderer load
+# on first use: ``import flexgen`` stays cheap for a process that only imports it, and the
+# first call of a mod the restart index knows never loads sympy or Jinja.
+
+def trace_cached(mod, kind: str):
+    """``flexgen.frontend.trace.trace_cached``, imported on first use."""
+    from .frontend.trace import trace_cached as trace
+    return trace(mod, kind)
+
+
+def _ops():
+    """``flexgen.runtime.ops`` (the custom ops are registered on its import)."""
+    from .runtime import ops
+    return ops
+
+
+def source(spec) -> str:
+    """The module source of a kernel spec (rendered: what ``kernel_source`` shows)."""
+    from .codegen.cache import source as rendered
+    return rendered(spec)
 
 
 def _tensors(**named) -> None:
@@ -98,7 +117,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         score_mod, block_mask)
     options = parse_options(kernel_options)
     want_max = return_aux is not None and bool(return_aux.max_scores)
-    out, lse, max_scores = ops.call_attention(
+    out, lse, max_scores = _ops().call_attention(
         query, key, value, score_buffers, mask_buffers, lists, score_mod, mask_mod, block_size,
         lengths, check_scale(scale, query.shape[-1]), bool(enable_gqa), options.text, want_max)
     if return_aux is not None:
@@ -312,7 +331,7 @@ def decode_attention(query, key, value, score_mod=None, block_mask=None, scale=N
                                     "(PagedKVCache.block_mask)"))
     if max_kv_len is None:
         max_kv_len = capacity if kv_max is None else kv_max
-    out, lse = ops.call_decode(
+    out, lse = _ops().call_decode(
         query, key, value, list(score_buffers), list(mask_buffers), list(lists), kv, qs, ql,
         page_table, score_mod, mask_text, list(block_size), list(lengths),
         check_scale(scale, D), bool(enable_gqa), options.text, int(max_kv_len))
@@ -370,7 +389,7 @@ def sigmoid_attention(query, key, value, score_mod=None, block_mask=None, scale=
     _tensors(query=query, key=key, value=value)
     score_mod, score_buffers, mask_mod, mask_buffers, lists, block_size, lengths = _mods(
         score_mod, block_mask)
-    return ops.call_sigmoid_attention(
+    return _ops().call_sigmoid_attention(
         query, key, value, score_buffers, mask_buffers, lists, score_mod, mask_mod, block_size, lengths,
         check_scale(scale, query.shape[-1]), check_bias(bias, key.shape[2]), bool(enable_gqa),
         parse_options(kernel_options).text)
@@ -450,7 +469,7 @@ def linear_attention(query, key, value, decay_mod=None, feature_map=None, scale=
     """
     _tensors(query=query, key=key, value=value)
     decay_text, decay_buffers, feature_text, feature_buffers = _linear_mods(decay_mod, feature_map)
-    out, state = ops.call_linear_attention(
+    out, state = _ops().call_linear_attention(
         query, key, value, _state_arg("initial_state", initial_state), decay_buffers, feature_buffers,
         decay_text, feature_text, check_scale(scale, query.shape[-1]), bool(enable_gqa),
         bool(output_final_state), parse_options(kernel_options).text)
@@ -484,7 +503,7 @@ def linear_attention_decode(query, key, value, state, slots, decay_mod=None, fea
         raise reported(expected("slots", "distinct slots (each row updates its own state)", host,
                                 "give each batch row its own slot"))
     decay_text, decay_buffers, feature_text, feature_buffers = _linear_mods(decay_mod, feature_map)
-    return ops.call_linear_attention_decode(
+    return _ops().call_linear_attention_decode(
         query, key, value, state, slots, list(decay_buffers), list(feature_buffers), decay_text,
         feature_text, check_scale(scale, query.shape[-1]), bool(enable_gqa),
         parse_options(kernel_options).text)

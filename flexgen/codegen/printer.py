@@ -20,14 +20,7 @@ import sympy
 from sympy.core.function import UndefinedFunction
 
 from ..frontend.expr import SYMBOLS, BitAnd, BitNot, BitOr, BitXor, Sigmoid, Trunc
-
-
-@dataclass(frozen=True)
-class Snippet:
-    """Statements computing one value, ready to paste into a template."""
-    lines: tuple        # "name = code" statements, in order
-    result: str         # the expression holding the value after ``lines``
-    kind: str           # "bool", "int" or "float"
+from .snippet import Snippet  # noqa: F401  (defined without sympy, for the restart index)
 
 
 def _float_literal(value) -> str:

@@ -17,7 +17,7 @@ import torch
 import triton
 
 from .. import __version__
-from ..codegen.printer import Snippet
+from .snippet import Snippet
 
 # (The sigmoid activation left the softmax kernels' sources as they were: no new versions.)
 TEMPLATE_VERSIONS = {"forward": 4, "block_mask": 1,

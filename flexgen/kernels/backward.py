@@ -38,7 +38,6 @@ from dataclasses import dataclass
 import torch
 
 from ..codegen.spec import KernelSpec, tma_addressable
-from ..frontend.grad import lower_grad
 from ..frontend.lowering import lower
 from ..runtime import launch
 from ..runtime.poison import poison
@@ -83,6 +82,7 @@ def backward_specs(score_traced, mask, grad_slots: tuple, *, qk_head, v_head, dt
                    dot_precision, use_tma, dq_tiles, dkdv_tiles, tune_blocks,
                    deterministic=False) -> BackwardPlan:
     """The dQ and dK/dV specs of a call (raises GradientError naming the mod)."""
+    from ..frontend.grad import lower_grad      # sympy: loaded by the first backward only
     grads = lower_grad(score_traced, grad_slots)
     deterministic = deterministic and bool(grads.scatters)
     grad_buffers = tuple(dataclasses.replace(g, dtype="int64") for g in grads.grad_buffers) \

@@ -38,10 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from ..codegen.spec import kernel_spec
 from ..errors import InputError, expected
-from ..masks.block_mask import create_block_mask
-from ..runtime import launch
 from ..runtime.checks import DTYPES
 
 
@@ -355,6 +352,7 @@ class PagedKVCache:
         ``attention`` call (``b`` is the batch row of that call, ``h`` the query
         head; None broadcasts).
         """
+        from ..masks.block_mask import create_block_mask
         return create_block_mask(mask_mod, B, H, self.max_seq_len, self.max_seq_len,
                                  device=self.device, BLOCK_SIZE=BLOCK_SIZE)
 
@@ -370,6 +368,8 @@ class PagedKVCache:
 
 def run_paged_write(k_cache, v_cache, key, value, page_table, slots, lengths, counts) -> None:
     """Launch the paged_write kernel: ``counts[b]`` tokens of row ``b`` into sequence ``slots[b]``."""
+    from ..codegen.spec import kernel_spec
+    from ..runtime import launch
     spec = kernel_spec("paged_write", qk_head=k_cache.shape[3], v_head=v_cache.shape[3],
                        dtype=DTYPES[k_cache.dtype], block_m=64 if k_cache.device.type != "cuda" else 32,
                        num_warps=4)

@@ -164,7 +164,7 @@ def check_mask(info: Mask | None, mask: object, B: int, Hq: int, Lq: int, Lkv: i
     if mask is not None:
         # A mask built once for every head (H=None) whose mod reads h was classified with
         # h = 0: other heads would get head 0's blocks. Refuse it rather than guess.
-        free = {s.name for s in mask.expr.free_symbols}
+        free = mask.free
         for index, size, mine, arg in (("b", info.batch, B, "B"), ("h", info.heads, Hq, "H")):
             if index in free and size == 1 and mine > 1:
                 raise expected("block_mask", f"a mask built per {'batch row' if index == 'b' else 'head'} "
