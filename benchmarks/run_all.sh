@@ -11,17 +11,23 @@
 #   1. pip install --no-deps --no-build-isolation --no-index -e .   (falls back to a copied tree on PYTHONPATH)
 #   check     benchmarks/gpu_check.py       correctness at B=2 H=8 L=2048 D=128 against the float32 reference
 #   tune      benchmarks/tune.py            measures rows of flexgen.runtime.tuning.TUNED (prints them)
-#   gputests  pytest on the GPU: tests/test_tuning.py and tests/test_backward.py
+#   gputests  pytest on the GPU: tests/test_tuning.py, tests/test_backward.py, tests/test_compile.py
+#   sanitize  benchmarks/sanitize.py under compute-sanitizer: memcheck over every kernel family
+#             (and the fuzzer's stored examples), racecheck on one forward and one backward kernel
 #   forward   benchmarks/bench_forward.py   forward speed vs torch.compile(flex_attention) and SDPA
 #   backward  benchmarks/bench_backward.py  backward and forward+backward speed vs the same peers
 #   decode    benchmarks/bench_decode.py    decode (q_len=1), contiguous and paged, vs copy bandwidth
 #   cold      benchmarks/bench_cold_start.py  a never-seen mod in a fresh process, vs torch.compile
 #   host      benchmarks/profile_host.py    where a warm call's host time goes
+#   models    benchmarks/bench_models.py    HF Llama / Gemma 2, a compiled training step, a compiled decode loop
+#   nosoftmax benchmarks/bench_nosoftmax.py sigmoid and linear attention vs softmax and flash-linear-attention
+#   gluon     benchmarks/bench_gluon.py     the Hopper Gluon forward vs the tl kernel and peers
+#   serving   benchmarks/bench_serving.py   varlen, the fused RoPE append, mixed steps, restarts
 # Then the summaries again, last, so they end up in the tail of the output.
 #
 # Environment (seconds): TOTAL_BUDGET_S=560 for the whole script; each step's budget is
-# <STEP>_BUDGET_S (defaults: CHECK 100, TUNE 240, GPUTESTS 90, FORWARD 240, BACKWARD 150, DECODE 70,
-# COLD 90, HOST 30), cut to what is left. Extra arguments: BENCH_FORWARD_ARGS, BENCH_BACKWARD_ARGS,
+# <STEP>_BUDGET_S (defaults: CHECK 100, TUNE 240, GPUTESTS 150, FORWARD 240, BACKWARD 150, DECODE 70,
+# COLD 90, HOST 30, SANITIZE 300, MODELS 420, NOSOFTMAX 240, GLUON 300, SERVING 240), cut to what is left. Extra arguments: BENCH_FORWARD_ARGS, BENCH_BACKWARD_ARGS,
 # BENCH_DECODE_ARGS, TUNE_ARGS, COLD_ARGS.  PYTHON=python3  SMOKE=0
 set -u -o pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -49,9 +55,12 @@ budget_of() {     # the step's budget, cut to the time left
     local want
     case $1 in
         check) want=${CHECK_BUDGET_S:-100} ;;  tune) want=${TUNE_BUDGET_S:-240} ;;
-        gputests) want=${GPUTESTS_BUDGET_S:-90} ;;  forward) want=${FORWARD_BUDGET_S:-240} ;;
+        gputests) want=${GPUTESTS_BUDGET_S:-150} ;;  forward) want=${FORWARD_BUDGET_S:-240} ;;
         backward) want=${BACKWARD_BUDGET_S:-150} ;;  decode) want=${DECODE_BUDGET_S:-70} ;;
-        cold) want=${COLD_BUDGET_S:-90} ;;  host) want=${HOST_BUDGET_S:-30} ;;  *) want=0 ;;
+        cold) want=${COLD_BUDGET_S:-90} ;;  host) want=${HOST_BUDGET_S:-30} ;;
+        sanitize) want=${SANITIZE_BUDGET_S:-300} ;;  models) want=${MODELS_BUDGET_S:-420} ;;
+        nosoftmax) want=${NOSOFTMAX_BUDGET_S:-240} ;;  gluon) want=${GLUON_BUDGET_S:-300} ;;
+        serving) want=${SERVING_BUDGET_S:-240} ;;  *) want=0 ;;
     esac
     local rest=$(( $(left) - 10 ))
     [ "$want" -gt "$rest" ] && want=$rest
@@ -75,7 +84,15 @@ run_step() {
         # From /tmp: `python -m` puts the cwd first on sys.path, and the repository's
         # flexgen/ there lacks the mods/templates mapping of the installed package.
         gputests) cmd=(bash -c "cd /tmp && FLEXGEN_TEST_AOT=0 '$PY' -m pytest -q -p no:cacheprovider \
-                       '$ROOT/tests/test_tuning.py' '$ROOT/tests/test_backward.py' -k '${GPUTESTS_K:-gpu or tuning}' --tb=short") ;;
+                       '$ROOT/tests/test_tuning.py' '$ROOT/tests/test_backward.py' '$ROOT/tests/test_compile.py' \
+                       -k '${GPUTESTS_K:-gpu or tuning}' --tb=short") ;;
+        sanitize) cmd=(bash -c "compute-sanitizer --tool memcheck --error-exitcode 9 '$PY' benchmarks/sanitize.py; \
+                       echo memcheck exit \$?; compute-sanitizer --tool racecheck --error-exitcode 9 \
+                       '$PY' benchmarks/sanitize.py --only race; echo racecheck exit \$?") ;;
+        models)   cmd=("$PY" benchmarks/bench_models.py $SMOKE_ARG --budget "$budget" ${BENCH_MODELS_ARGS:-}) ;;
+        nosoftmax) cmd=("$PY" benchmarks/bench_nosoftmax.py $SMOKE_ARG ${BENCH_NOSOFTMAX_ARGS:-}) ;;
+        gluon)    cmd=("$PY" benchmarks/bench_gluon.py $SMOKE_ARG ${BENCH_GLUON_ARGS:-}) ;;
+        serving)  cmd=("$PY" benchmarks/bench_serving.py $SMOKE_ARG ${BENCH_SERVING_ARGS:-}) ;;
         forward)  cmd=("$PY" benchmarks/bench_forward.py $SMOKE_ARG --budget "$budget" ${BENCH_FORWARD_ARGS:-}) ;;
         backward) cmd=("$PY" benchmarks/bench_backward.py $SMOKE_ARG --budget "$budget" ${BENCH_BACKWARD_ARGS:-}) ;;
         decode)   cmd=("$PY" benchmarks/bench_decode.py $SMOKE_ARG --budget "$((budget - 10))" ${BENCH_DECODE_ARGS:-}) ;;

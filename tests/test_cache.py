@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flexgen import FlexgenError, create_block_mask, flex_attention, kernel_source
+from flexgen import FlexgenError, clear_caches, create_block_mask, flex_attention, kernel_source
 
 from flexgen.runtime import aot
 
@@ -544,10 +544,29 @@ def test_an_unusable_directory_degrades_to_memory_with_one_warning(fresh_cache, 
 
     spec = launch_spec(q, k, v, score_mod=softcap)
     module = cache._MODULES[(spec.key, True)]
-    assert module.__file__ is None
+    assert module.__file__.startswith("<flexgen: in memory>/")
     assert inspect.getsource(module.KERNEL.fn) in cache.source(spec)
     if fresh_cache.is_dir():
         assert list(fresh_cache.iterdir()) == []
+
+
+def test_a_kernel_reloaded_in_memory_keeps_inspect_working(fresh_cache, monkeypatch):
+    """Regression: a kernel loaded from disk, then again in memory-only mode under the
+    same module name, left a module in sys.modules whose __file__ was None.
+    inspect.getmodule (torch.library calls it for a custom operator in a mod) then
+    raised 'is a built-in module' on it. Every kernel module has a file name for
+    inspect, on disk or not."""
+    q, k, v = small_inputs()
+    run_and_check(q, k, v, score_mod=softcap)
+    clear_caches()                              # plans hold their modules too
+    elsewhere = fresh_cache.parent.parent / "not-a-dir" / "cache"
+    monkeypatch.setenv("FLEXGEN_CACHE_DIR", str(elsewhere))
+    UNUSABLE["under_a_file"](elsewhere, monkeypatch)
+    with pytest.warns(UserWarning, match="FLEXGEN_CACHE_DIR"):
+        run_and_check(q, k, v, score_mod=softcap)
+    (module,) = cache._MODULES.values()
+    assert sys.modules[module.__name__] is module
+    assert inspect.getfile(module).startswith("<flexgen: in memory>/")
 
 
 @pytest.mark.skipif(not AOT_ENABLED, reason="FLEXGEN_TEST_AOT=0")
@@ -559,7 +578,7 @@ def test_a_kernel_in_memory_only_compiles_for_sm90(fresh_cache, monkeypatch):
     with pytest.warns(UserWarning, match="FLEXGEN_CACHE_DIR"), aot.recording() as launches:
         flex_attention(q, k, v, score_mod=lambda score, b, h, q_idx, kv_idx: score * 0.5)
     (spec, args, constexprs), = launches
-    assert cache.load(spec, interpret=False).__file__ is None
+    assert cache.load(spec, interpret=False).__file__.startswith("<flexgen: in memory>/")
     assert aot.compile_launch(spec, args, constexprs).asm.get("cubin")
 
 

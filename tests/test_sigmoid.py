@@ -269,7 +269,7 @@ def test_a_repeated_call_replays_only_with_the_same_captured_tensors_and_lists(m
     def fake_run(spec, device, inputs, tune_blocks=None, replay=0):
         launched.append(inputs)
         return FakeReplay()
-    monkeypatch.setattr(S.launch, "run", fake_run)
+    monkeypatch.setattr(flexgen.runtime.launch, "run", fake_run)
 
     def factory(table):
         def biased(score, b, h, q_idx, kv_idx):

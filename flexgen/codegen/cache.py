@@ -205,9 +205,10 @@ def _execute(name: str, text: str, path: Path | None, interpret: bool) -> types.
     # kernels' tl.constexpr annotations into strings.
     code = compile(text, filename, "exec", dont_inherit=True)
     module = types.ModuleType(name)
-    # None, not missing, in memory-only mode: the interpreter copies its own globals
-    # into a kernel's module where they are missing, its __file__ included.
-    module.__file__ = None if path is None else filename
+    # Always a string: the interpreter copies its own globals into a kernel's module
+    # where they are missing, and inspect.getmodule (torch.library calls it) fails on
+    # a module whose __file__ turned from a path into None under the same name.
+    module.__file__ = filename
     sys.modules[name] = module      # triton resolves helper functions through it
     with _interpreter(interpret):
         exec(code, module.__dict__)

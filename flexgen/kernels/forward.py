@@ -21,14 +21,19 @@ def broadcast_lists(lists, B: int, H: int) -> tuple:
                  for t in lists)
 
 
-def run_forward(plan, query, key, value, score_buffers, mask_buffers, block_lists, want_max: bool):
-    """(out [B, Hq, Lq, Dv], lse [B, Hq, Lq] float32, max scores like lse or an empty tensor)."""
+def run_forward(plan, query, key, value, score_buffers, mask_buffers, block_lists, want_max=False,
+                bias=None):
+    """(out [B, Hq, Lq, Dv], lse [B, Hq, Lq] float32, max scores like lse or an empty tensor).
+
+    With ``bias`` (sigmoid attention: the plan's specs have the sigmoid activation) there is
+    no LSE: (out, None, an empty tensor)."""
     B, Hq, Lq = plan.B, plan.Hq, plan.Lq
     device = query.device
+    sigmoid = bias is not None
     if key.shape[0] != B:                     # key / value shared by every query row
         key, value = key.expand(B, *key.shape[1:]), value.expand(B, *value.shape[1:])
     out = torch.empty_strided((B, Hq, Lq, plan.Dv), plan.out_strides, dtype=plan.dtype, device=device)
-    lse = torch.empty(B, Hq, Lq, dtype=torch.float32, device=device)
+    lse = None if sigmoid else torch.empty(B, Hq, Lq, dtype=torch.float32, device=device)
     max_scores = torch.empty(B, Hq, Lq, dtype=torch.float32, device=device) if want_max else None
     poison(out, lse, max_scores)
     sparse = None
@@ -37,16 +42,19 @@ def run_forward(plan, query, key, value, score_buffers, mask_buffers, block_list
     spec = plan.spec
     if spec.use_tma and not all(map(tma_addressable, (query, key, value, out))):
         spec = plan.pointer_spec
-    # The first six kernel arguments: Q, K, V, OUT, LSE and MAX (LSE again when not asked for).
-    leading = (query, key, value, out, lse, lse if max_scores is None else max_scores)
-    others = replay_key(score_buffers, mask_buffers, block_lists)
-    if replay(plan, spec, others, leading):
-        return out, lse, _placeholder(max_scores, device)
-    launched = launch.run(spec, device, dict(
-        q=query, k=key, v=value, out=out, lse=lse, sparse=sparse, score_buffers=score_buffers,
-        mask_buffers=mask_buffers, scale=plan.scale, max_scores=max_scores),
-        tune_blocks=plan.tune_blocks, replay=6)
-    remember(plan, spec, others, launched)
+    # The leading kernel arguments a replay swaps in: Q, K, V, OUT, and for softmax LSE and
+    # MAX (LSE again when not asked for); the bias is a launch argument like the buffers.
+    if sigmoid:
+        leading, extra = (query, key, value, out), dict(bias=bias)
+    else:
+        leading, extra = (query, key, value, out, lse, lse if max_scores is None else max_scores), {}
+    others = replay_key(score_buffers, mask_buffers, block_lists, *extra.values())
+    if not replay(plan, spec, others, leading):
+        launched = launch.run(spec, device, dict(
+            q=query, k=key, v=value, out=out, lse=lse, sparse=sparse, score_buffers=score_buffers,
+            mask_buffers=mask_buffers, scale=plan.scale, max_scores=max_scores, **extra),
+            tune_blocks=plan.tune_blocks, replay=len(leading))
+        remember(plan, spec, others, launched)
     return out, lse, _placeholder(max_scores, device)
 
 

@@ -24,14 +24,9 @@ new compile.
 """
 from __future__ import annotations
 
-import torch
-
-from ..codegen.spec import tma_addressable
-from ..runtime import launch
-from ..runtime.poison import poison
 from .backward import run_backward
 from .decode import constant, run_decode
-from .forward import replay_key, broadcast_lists, remember, replay
+from .forward import run_forward
 
 
 def run_sigmoid(plan, query, key, value, score_buffers, mask_buffers, block_lists, bias: float):
@@ -43,26 +38,7 @@ def run_sigmoid(plan, query, key, value, score_buffers, mask_buffers, block_list
                             constant(0, device), constant(plan.Lq, device), None, plan.scale,
                             plan.Lkv, out_strides=plan.out_strides, bias=bias)
         return out
-    B, Hq, Lq = plan.B, plan.Hq, plan.Lq
-    if key.shape[0] != B:                     # key / value shared by every query row
-        key, value = key.expand(B, *key.shape[1:]), value.expand(B, *value.shape[1:])
-    out = torch.empty_strided((B, Hq, Lq, plan.Dv), plan.out_strides, dtype=plan.dtype, device=device)
-    poison(out)
-    sparse = None
-    if plan.mask_info is not None:
-        sparse = (*broadcast_lists(block_lists[:4], B, Hq), *plan.mask_info.block_size)
-    spec = plan.spec
-    if spec.use_tma and not all(map(tma_addressable, (query, key, value, out))):
-        spec = plan.pointer_spec
-    # A repeated call relaunches with its new Q, K, V and OUT (the bias too is the launch's).
-    others = replay_key(score_buffers, mask_buffers, block_lists, bias)
-    if replay(plan, spec, others, (query, key, value, out)):
-        return out
-    launched = launch.run(spec, device, dict(
-        q=query, k=key, v=value, out=out, lse=None, sparse=sparse, score_buffers=score_buffers,
-        mask_buffers=mask_buffers, scale=plan.scale, bias=bias), tune_blocks=plan.tune_blocks, replay=4)
-    remember(plan, spec, others, launched)
-    return out
+    return run_forward(plan, query, key, value, score_buffers, mask_buffers, block_lists, bias=bias)[0]
 
 
 def run_sigmoid_backward(bw, plan, query, key, value, grad_out, score_buffers, mask_buffers,
