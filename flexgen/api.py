@@ -161,6 +161,49 @@ def kernel_source(query, key, value, score_mod=None, block_mask=None, scale=None
     return source(bw.dq if part == "dq" else bw.dkdv)
 
 
+# ---------------------------------------------------------------------------------- packed varlen
+
+def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     score_mod=None, mask_mod=None, scale=None, enable_gqa=False, return_lse=False,
+                     kernel_options=None):
+    """Attention over sequences of different lengths packed along one axis, no padding.
+
+    query ``[total_q, Hq, D]``, key ``[total_k, Hkv, D]``, value ``[total_k, Hkv, Dv]``;
+    ``cu_seqlens_q`` / ``cu_seqlens_k`` int32 ``[num_seqs + 1]`` start offsets (sequence s
+    is query rows ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]`` and key rows
+    ``cu_seqlens_k[s]:cu_seqlens_k[s + 1]``; empty sequences allowed) — the
+    ``flash_attn_varlen_func`` convention. ``max_seqlen_q`` / ``max_seqlen_k`` are taken for
+    that API's sake and not needed: the offsets are read on the device only (no host
+    synchronization, so a step can be captured in a CUDA graph).
+
+    The mods see ``b`` = the sequence's index and ``q_idx`` / ``kv_idx`` = positions inside
+    that sequence, the queries aligned to its last keys when it has fewer queries than keys
+    (chunked prefill: query i is position ``i + Lk - Lq``); ``mask_mod`` is applied
+    element-wise, and for band masks (causal, sliding window) only the key tiles the band
+    meets are visited. Returns ``out [total_q, Hq, Dv]`` (rows past ``cu_seqlens_q[-1]``
+    unwritten), with ``return_lse`` also the LSE ``[Hq, total_q]`` float32. Differentiable
+    like ``flex_attention``; one ``torch.ops.flexgen.varlen_attention`` op per call.
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise reported(expected(name, "a torch.Tensor [total_tokens, H, D]", type(t).__name__,
+                                    f"pass {name} as a tensor"))
+    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise reported(expected(name, "a Python int >= 0 (the longest sequence)", repr(n),
+                                    f"pass int({name}) computed where the lengths are known"))
+    query, key, value = (t if t.dim() != 3 or t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+                         for t in (query, key, value))
+    score = None if score_mod is None else trace_cached(score_mod, "score_mod")
+    mask = None if mask_mod is None else trace_cached(mask_mod, "mask_mod")
+    out, lse = _ops().call_varlen_attention(
+        query, key, value, cu_seqlens_q, cu_seqlens_k, () if score is None else score.buffers,
+        () if mask is None else mask.buffers, "" if score is None else score.graph,
+        "" if mask is None else mask.graph, check_scale(scale, query.shape[-1]), bool(enable_gqa),
+        parse_options(kernel_options).text)
+    return (out, lse) if return_lse else out
+
+
 # ---------------------------------------------------------------------------------- decoding
 
 def _host_ints(t, B):

@@ -83,6 +83,20 @@ class KernelSpec:
         return ctx
 
 
+@dataclass(frozen=True)
+class VarlenSpec(KernelSpec):
+    """A forward ``KernelSpec`` over packed variable-length sequences (``flexgen.varlen_attention``).
+
+    The mask's band ``q_idx + kv_lo <= kv_idx <= q_idx + kv_hi`` (``flexgen.masks.ranges``;
+    either bound None where the mask sets none) decides which key tiles a query tile
+    visits; ``band_exact``: the mask is exactly that band, so tiles inside it skip it.
+    """
+    varlen: bool = True
+    kv_lo: int | None = None
+    kv_hi: int | None = None
+    band_exact: bool = False
+
+
 def mod_fields(score, mask) -> dict:
     """The KernelSpec fields of a lowered score_mod and mask_mod (either may be None).
 
