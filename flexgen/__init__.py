@@ -12,6 +12,7 @@ from .api import AuxOutput, AuxRequest, decode_attention, flex_attention, kernel
 from .api import sigmoid_attention, sigmoid_kernel_source, varlen_attention  # noqa: E402
 from .api import linear_attention, linear_attention_decode, linear_kernel_source  # noqa: E402
 from .kernels.paged import CacheFullError, PagedKVCache  # noqa: E402
+from .kernels.rope import RoPE  # noqa: E402
 from .mods.combinators import and_masks, noop_mask, or_masks  # noqa: E402
 
 
@@ -41,4 +42,5 @@ __all__ = [
     "and_masks", "or_masks", "noop_mask", "FlexgenError", "InputError", "TraceError", "GradientError",
     "autotune", "clear_caches", "sigmoid_attention", "sigmoid_kernel_source",
     "linear_attention", "linear_attention_decode", "linear_kernel_source", "varlen_attention",
+    "RoPE",
 ]

@@ -266,6 +266,31 @@ def call_paged_write(*args) -> None:
     return torch.ops.flexgen.paged_write(*args)
 
 
+@torch.library.custom_op("flexgen::paged_write_rope", mutates_args=("k_cache", "v_cache"))
+def paged_write_rope(k_cache: Tensor, v_cache: Tensor, key: Tensor, value: Tensor, page_table: Tensor,
+                     slots: Tensor, lengths: Tensor, counts: Tensor, inv_freq: Tensor, rotary_dim: int,
+                     interleaved: bool, query: Tensor | None) -> Tensor:
+    """``paged_write`` with RoPE: the keys rotated at their positions on the way in
+    (``flexgen.kernels.rope``); returns ``query`` rotated the same way (or an empty tensor)."""
+    from ..kernels.paged import run_paged_write
+    return run_paged_write(k_cache, v_cache, key, value, page_table, slots, lengths, counts,
+                           inv_freq, rotary_dim, interleaved, query)
+
+
+@paged_write_rope.register_fake
+def _paged_write_rope_fake(k_cache, v_cache, key, value, page_table, slots, lengths, counts, inv_freq,
+                           rotary_dim, interleaved, query):
+    return torch.empty_like(query) if query is not None else key.new_empty((0,))
+
+
+def call_paged_write_rope(*args) -> Tensor:
+    """``paged_write_rope``, straight to its implementation where nothing needs the op (``_eager``)."""
+    query = args[-1]
+    if _eager(*args[:9], *(() if query is None else (query,))):
+        from ..kernels.paged import run_paged_write
+        return run_paged_write(*args)
+    return torch.ops.flexgen.paged_write_rope(*args)
+
 
 # ---------------------------------------------------------------------------------- block masks
 
@@ -744,7 +769,8 @@ def call_linear_attention_decode(*args):
 
 
 __all__ = ["attention", "attention_backward", "decode", "paged_write", "block_mask",
-           "call_attention", "call_decode", "call_paged_write", "call_block_mask",
+           "call_attention", "call_decode", "call_paged_write", "call_block_mask", "paged_write_rope",
+           "call_paged_write_rope",
            "sigmoid_attention", "sigmoid_attention_backward", "call_sigmoid_attention",
            "linear_attention", "linear_attention_backward", "linear_attention_decode",
            "call_linear_attention", "call_linear_attention_decode", "varlen_attention",
