@@ -21,6 +21,9 @@ def __getattr__(name):
     if name == "autotune":
         from .runtime.tuning import autotune
         return autotune
+    if name == "precompile":
+        from .runtime.warmup import precompile
+        return precompile
     raise AttributeError(f"module 'flexgen' has no attribute {name!r}")
 
 
@@ -42,5 +45,5 @@ __all__ = [
     "and_masks", "or_masks", "noop_mask", "FlexgenError", "InputError", "TraceError", "GradientError",
     "autotune", "clear_caches", "sigmoid_attention", "sigmoid_kernel_source",
     "linear_attention", "linear_attention_decode", "linear_kernel_source", "varlen_attention",
-    "RoPE",
+    "RoPE", "precompile",
 ]

@@ -52,3 +52,46 @@ def test_warm_restart_needs_neither_sympy_nor_jinja(tmp_path):
     warm = _run(tmp_path)
     assert warm["start"] == [] and warm["after"] == [], warm
     assert warm["sums"] == cold["sums"]
+
+
+WARMUP_MODULE = r"""
+import torch
+import flexgen
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+def calls():
+    x = torch.randn(24, 2, 16)
+    cu = torch.tensor([0, 7, 24], dtype=torch.int32)
+    return [lambda: flexgen.varlen_attention(x, x, x, cu, cu, 17, 17, mask_mod=causal),
+            lambda: flexgen.flex_attention(x.transpose(0, 1)[None], x.transpose(0, 1)[None],
+                                           x.transpose(0, 1)[None])]
+"""
+
+AFTER_WARMUP = r"""
+import sys, torch, flexgen
+sys.path.insert(0, "")
+from serving_mods import causal
+x = torch.randn(40, 2, 16)
+cu = torch.tensor([0, 30, 40], dtype=torch.int32)
+flexgen.varlen_attention(x, x, x, cu, cu, 30, 30, mask_mod=causal)
+print([m for m in ("sympy", "jinja2") if m in sys.modules])
+"""
+
+
+def test_warmup_cli_fills_the_caches(tmp_path):
+    (tmp_path / "serving_mods.py").write_text(WARMUP_MODULE)
+    env = dict(os.environ, FLEXGEN_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(tmp_path))
+    done = subprocess.run([sys.executable, "-m", "flexgen", "warmup", "serving_mods:calls", "--no-progress"],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 calls, 2 kernels" in done.stdout, done.stdout
+    # Other lengths, the same mods: a new process needs neither sympy nor jinja2.
+    after = subprocess.run([sys.executable, "-c", AFTER_WARMUP], env=env, cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300)
+    assert after.returncode == 0, after.stderr[-3000:]
+    assert after.stdout.strip().splitlines()[-1] == "[]"
+    bad = subprocess.run([sys.executable, "-m", "flexgen", "warmup", "serving_mods"], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "module:function" in bad.stderr
