@@ -264,7 +264,7 @@ def _query_end(q_offsets, q_lengths, B, Lq, kv_max, host_ql):
 def decode_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
                      enable_gqa=False, return_lse=False, kv_lengths=None, page_table=None, *,
                      mask_mod=None, q_offsets=None, q_lengths=None, num_splits=None,
-                     kernel_options=None, max_kv_len=None, _host_lengths=None):
+                     kernel_options=None, max_kv_len=None, _host_lengths=None, _packed=None):
     """Attention of a few query tokens per sequence against a (possibly paged) KV cache.
 
     query ``[B, Hq, Lq, D]`` (Lq from 1 to 16 is the decode case; any Lq works).
@@ -294,7 +294,9 @@ def decode_attention(query, key, value, score_mod=None, block_mask=None, scale=N
     Returns ``out [B, Hq, Lq, Dv]`` in the query's dtype, with ``return_lse``
     also the natural-log LSE ``[B, Hq, Lq]`` float32 (-inf and zeros for a
     query that sees no key). Forward only: no autograd. One ``torch.ops.flexgen.decode``
-    op per call. ``_host_lengths`` (the lengths as host ints) is PagedKVCache's.
+    op per call. ``_host_lengths`` (the lengths as host ints) and ``_packed`` (packed queries:
+    (query [total_q, Hq, D], int32 first rows [B + 1], longest), ``query`` being their
+    ``kernels.decode.packed_view``; outputs packed too) are PagedKVCache's.
     """
     _tensors(query=query, key=key, value=value)
     if block_mask is not None and mask_mod is not None:
@@ -374,10 +376,11 @@ def decode_attention(query, key, value, score_mod=None, block_mask=None, scale=N
                                     "(PagedKVCache.block_mask)"))
     if max_kv_len is None:
         max_kv_len = capacity if kv_max is None else kv_max
+    packed = () if _packed is None else (_packed[1], int(_packed[2]))
     out, lse = _ops().call_decode(
-        query, key, value, list(score_buffers), list(mask_buffers), list(lists), kv, qs, ql,
-        page_table, score_mod, mask_text, list(block_size), list(lengths),
-        check_scale(scale, D), bool(enable_gqa), options.text, int(max_kv_len))
+        query if _packed is None else _packed[0], key, value, list(score_buffers), list(mask_buffers),
+        list(lists), kv, qs, ql, page_table, score_mod, mask_text, list(block_size), list(lengths),
+        check_scale(scale, D), bool(enable_gqa), options.text, int(max_kv_len), *packed)
     return (out, lse) if return_lse else out
 
 

@@ -21,7 +21,7 @@ from .snippet import Snippet
 
 # (The sigmoid activation left the softmax kernels' sources as they were: no new versions.)
 TEMPLATE_VERSIONS = {"forward": 4, "block_mask": 1,
-                     "decode": 1, "decode_merge": 1, "paged_write": 2,
+                     "decode": 2, "decode_merge": 1, "paged_write": 2,
                      "backward": 4, "linear": 1, "linear_decode": 1}
 
 

@@ -362,12 +362,26 @@ class PagedKVCache:
         logical positions (see ``block_mask``) also skips blocks. Any Lq works:
         a prefill chunk attends to the cached prefix and to itself (pass a
         causal mask). Returns ``out [B, Hq, Lq, Dv]`` (and the LSE ``[B, Hq, Lq]``).
+
+        A mixed step (some sequences prefill a chunk, others decode a token) can also come
+        packed, without padding: query ``[total_q, Hq, D]`` holding each slot's rows one after
+        another and ``q_lengths`` their counts (0 for a slot with no new token); one launch
+        serves them all (one split), returning ``out [total_q, Hq, Dv]`` (and the LSE
+        ``[Hq, total_q]``).
         """
         slots = self._slots(slots)
         B = len(slots)
+        packed = None
+        if isinstance(query, torch.Tensor) and query.dim() == 3:
+            packed, query = self._packed_queries(query, B, q_lengths)
+            if packed is None:            # no query rows at all: nothing to launch
+                out = query.new_empty(0, query.shape[1], self.v_head_dim)
+                lse = query.new_empty(query.shape[1], 0, dtype=torch.float32)
+                return (out, lse) if return_lse else out
         if not isinstance(query, torch.Tensor) or query.dim() != 4 or query.shape[0] != B:
             got = list(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
-            raise expected("query", f"a tensor [{B}, Hq, Lq, D] (one row per slot)", got,
+            raise expected("query", f"a tensor [{B}, Hq, Lq, D] (one row per slot) or packed "
+                           "[total_q, Hq, D] with q_lengths", got,
                            "pass queries as [batch, heads, tokens, head dim]")
         Lq = query.shape[2]
         lengths = [self._lengths[s] for s in slots]
@@ -392,7 +406,26 @@ class PagedKVCache:
                                 return_lse=return_lse, kv_lengths=kv_lengths, page_table=table,
                                 mask_mod=mask_mod, q_lengths=q_arg, num_splits=num_splits,
                                 kernel_options=kernel_options, max_kv_len=max(lengths, default=0),
-                                _host_lengths=(lengths, q_counts))
+                                _host_lengths=(lengths, q_counts), _packed=packed)
+
+    def _packed_queries(self, query, B, q_lengths):
+        """((packed query, first rows, longest), the [B, Hq, longest, D] view the kernel reads)."""
+        from .decode import packed_view
+        if q_lengths is None:
+            raise expected("q_lengths", f"{B} query counts with a packed query [total_q, Hq, D]", None,
+                           "pass each slot's number of new query tokens (0 for none)")
+        counts = [int(c) for c in (q_lengths.reshape(-1).tolist() if isinstance(q_lengths, torch.Tensor)
+                                   else q_lengths)]
+        if len(counts) != B or min(counts, default=0) < 0 or sum(counts) != query.shape[0]:
+            raise expected("q_lengths", f"{B} counts >= 0 summing to the packed query's "
+                           f"{query.shape[0]} tokens", counts, "give each slot's number of query rows")
+        rows = [0]
+        for c in counts:
+            rows.append(rows[-1] + c)
+        if query.shape[0] == 0:
+            return None, query
+        longest = max(counts)
+        return (query, self._index("rows", rows), longest), packed_view(query, B, longest)
 
     def block_mask(self, mask_mod, B=None, H=None, BLOCK_SIZE=128):
         """A ``BlockMask`` of ``mask_mod`` over the cache's logical positions.

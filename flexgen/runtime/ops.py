@@ -202,33 +202,52 @@ def decode(query: Tensor, key: Tensor, value: Tensor, score_buffers: list[Tensor
            mask_buffers: list[Tensor], block_lists: list[Tensor], kv_lengths: Tensor,
            q_offsets: Tensor | None, q_lengths: Tensor, page_table: Tensor | None, score_mod: str,
            mask_mod: str, block_size: list[int], mask_lengths: list[int], scale: float,
-           enable_gqa: bool, options: str, max_kv_len: int) -> tuple[Tensor, Tensor]:
+           enable_gqa: bool, options: str, max_kv_len: int, q_rows: Tensor | None = None,
+           max_q_len: int = 0) -> tuple[Tensor, Tensor]:
     """decode_attention: (out [B, Hq, Lq, Dv], lse [B, Hq, Lq]) for a few queries per sequence
-    against contiguous or paged K/V (``flexgen.kernels.decode``)."""
+    against contiguous or paged K/V (``flexgen.kernels.decode``). With ``q_rows`` (int32
+    [B + 1]: each sequence's first row) the queries are packed, ``[total_q, Hq, D]`` with at
+    most ``max_q_len`` per sequence, and so are the outputs: (out [total_q, Hq, Dv], lse
+    [Hq, total_q])."""
     return _decode(query, key, value, score_buffers, mask_buffers, block_lists, kv_lengths,
                    q_offsets, q_lengths, page_table, score_mod, mask_mod, block_size, mask_lengths,
-                   scale, enable_gqa, options, max_kv_len)
+                   scale, enable_gqa, options, max_kv_len, q_rows, max_q_len)
+
+
+def _decode_plan(query, key, value, score_buffers, mask_buffers, block_lists, page_table, score_mod,
+                 mask_mod, block_size, mask_lengths, enable_gqa, options, q_rows, max_q_len):
+    """The decode plan; packed queries are planned as the [B, Hq, max_q_len, D] view the kernel
+    addresses (``kernels.decode.packed_view``)."""
+    if q_rows is not None:
+        from ..kernels.decode import packed_view
+        query = packed_view(query, q_rows.shape[0] - 1, max(1, max_q_len))
+    return plan_decode_call(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers,
+                            block_lists, block_size, mask_lengths, page_table, enable_gqa, options)
 
 
 def _decode(query, key, value, score_buffers, mask_buffers, block_lists, kv_lengths, q_offsets,
             q_lengths, page_table, score_mod, mask_mod, block_size, mask_lengths, scale, enable_gqa,
-            options, max_kv_len):
+            options, max_kv_len, q_rows=None, max_q_len=0):
     device = query.device
     score_buffers, mask_buffers = _on_device(score_buffers, device), _on_device(mask_buffers, device)
-    plan = plan_decode_call(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers,
-                            block_lists, block_size, mask_lengths, page_table, enable_gqa, options)
+    plan = _decode_plan(query, key, value, score_buffers, mask_buffers, block_lists, page_table, score_mod,
+                        mask_mod, block_size, mask_lengths, enable_gqa, options, q_rows, max_q_len)
     return run_decode(plan, query, key, value, score_buffers, mask_buffers,
                       block_lists[:4] if block_lists else None, kv_lengths, q_offsets, q_lengths,
-                      page_table, scale, max_kv_len)
+                      page_table, scale, max_kv_len, q_rows=q_rows, longest=max(1, max_q_len))
 
 
 @decode.register_fake
 def _decode_fake(query, key, value, score_buffers, mask_buffers, block_lists, kv_lengths, q_offsets,
                  q_lengths, page_table, score_mod, mask_mod, block_size, mask_lengths, scale,
-                 enable_gqa, options, max_kv_len):
+                 enable_gqa, options, max_kv_len, q_rows=None, max_q_len=0):
     if all(isinstance(n, int) for t in (query, key, value) for n in t.shape):
-        plan_decode_call(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers,
-                         block_lists, block_size, mask_lengths, page_table, enable_gqa, options)
+        _decode_plan(query, key, value, score_buffers, mask_buffers, block_lists, page_table, score_mod,
+                     mask_mod, block_size, mask_lengths, enable_gqa, options, q_rows, max_q_len)
+    if q_rows is not None:
+        total_q, Hq = query.shape[:2]
+        return (query.new_empty((total_q, Hq, value.shape[-1])),
+                query.new_empty((Hq, total_q), dtype=torch.float32))
     B, Hq, Lq = query.shape[:3]
     return (query.new_empty((B, Hq, Lq, value.shape[-1])),
             query.new_empty((B, Hq, Lq), dtype=torch.float32))
