@@ -17,9 +17,10 @@
    then the plain paged write). GB/s count k, v, q read and k, v, q written once; ``%copy`` is
    that over the device-to-device copy bandwidth measured in the same run (target >= 80%).
    Both call the write kernel directly at fixed positions (no cache bookkeeping timed).
-3. **mixed**: one packed step of 8 prefill chunks of 512 tokens after 1024 cached ones and
-   56 decode tokens with 2048 cached, through ``varlen_attention`` on contiguous packed K/V
-   (the paged mixed step of issue 18 is not built yet): ms and tokens/s.
+3. **mixed**: one step on the paged cache (bf16, pages of 64) of 8 prefill chunks of 512
+   tokens after 1024 cached ones and 56 decode tokens with 2048 cached, packed
+   (``PagedKVCache.attention`` with a [total, H, D] query and ``q_lengths``) against the same
+   step padded to [64, H, 512, D]: ms and tokens/s, checked against each other.
 4. **restart**: ``bench_cold_start.py`` (fresh processes; cold = empty caches, warm-disk = the
    caches a previous process filled) for the causal+softcap mod against torch's compiled
    FlexAttention, in bf16 and fp32 (targets: warm first call <= 0.2 s, cold <= 1.5 s bf16 /
@@ -174,20 +175,41 @@ def rope_cases(args, timer, device, copy):
 
 
 def mixed_cases(args, timer, device):
+    """A mixed step on the paged cache: prefill chunks after their cached prefix and decode
+    tokens, packed in one call, against the same step padded to [B, H, chunk, D]."""
     import flexgen
     gen = torch.Generator().manual_seed(2)
-    H, D = args.heads, args.dim
-    q_lens = [args.chunk] * args.prefills + [1] * args.decodes
-    k_lens = [args.prefix + args.chunk] * args.prefills + [args.context] * args.decodes
-    cu_q, cu_k = _offsets(q_lens, device), _offsets(k_lens, device)
-    q = torch.randn(sum(q_lens), H, D, generator=gen).to(device, torch.bfloat16)
-    k, v = (torch.randn(sum(k_lens), H, D, generator=gen).to(device, torch.bfloat16) for _ in range(2))
-    ms = timer(lambda: flexgen.varlen_attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens),
-                                                mask_mod=causal))
-    row = dict(part="mixed", case=f"{args.prefills} chunks of {args.chunk} + {args.decodes} decodes", ms=ms,
-               tokens_per_s=sum(q_lens) / (ms * 1e-3))
-    print(f"  {row}", flush=True)
-    return [row]
+    H, Hkv, D, page = args.heads, args.heads, args.dim, args.page
+    n = args.prefills + args.decodes
+    before = [args.prefix] * args.prefills + [args.context - 1] * args.decodes
+    new = [args.chunk] * args.prefills + [1] * args.decodes
+    per_seq = -(-max(b + c for b, c in zip(before, new)) // page)
+    cache = flexgen.PagedKVCache(num_pages=n * per_seq, page_size=page, num_kv_heads=Hkv, head_dim=D,
+                                 max_batch=n, max_pages_per_seq=per_seq, dtype=torch.bfloat16, device=device)
+    slots = [cache.add_sequence() for _ in range(n)]
+    for counts in (before, new):
+        L = max(counts)
+        k, v = (torch.randn(n, Hkv, L, D, generator=gen).to(device, torch.bfloat16) for _ in range(2))
+        cache.append(slots, k, v, counts=counts)
+    q = torch.randn(sum(new), H, D, generator=gen).to(device, torch.bfloat16)
+    padded = torch.zeros(n, H, max(new), D, dtype=torch.bfloat16, device=device)
+    start = 0
+    for b, c in enumerate(new):
+        padded[b, :, :c] = q[start:start + c].transpose(0, 1)
+        start += c
+    packed_out = cache.attention(q, slots, mask_mod=causal, q_lengths=new)
+    padded_out = cache.attention(padded, slots, mask_mod=causal, q_lengths=new)
+    err = float(max((packed_out[sum(new[:b]):sum(new[:b + 1])].float()
+                     - padded_out[b, :, :new[b]].transpose(0, 1).float()).abs().max() for b in range(n)))
+    rows = []
+    for name, fn in (("packed", lambda: cache.attention(q, slots, mask_mod=causal, q_lengths=new)),
+                     ("padded", lambda: cache.attention(padded, slots, mask_mod=causal, q_lengths=new))):
+        ms = timer(fn)
+        row = dict(part="mixed", case=f"{name}: {args.prefills}x{args.chunk} + {args.decodes}x1", ms=ms,
+                   tokens_per_s=sum(new) / (ms * 1e-3), maxerr=err)
+        rows.append(row)
+        print(f"  {row}", flush=True)
+    return rows
 
 
 def restart_cases(args, out_dir):
@@ -219,7 +241,8 @@ def table(payload) -> str:
             pct = "" if r["pct_copy"] is None else f" {r['pct_copy']:5.1f}% copy"
             lines.append(f"{r['part']:<8} {r['case']:<34} {r['ms']:8.3f} ms {r['gbps']:7.0f} GB/s{pct}")
         elif r["part"] == "mixed":
-            lines.append(f"{r['part']:<8} {r['case']:<34} {r['ms']:8.3f} ms {r['tokens_per_s']:9.0f} tok/s")
+            lines.append(f"{r['part']:<8} {r['case']:<34} {r['ms']:8.3f} ms {r['tokens_per_s']:9.0f} tok/s"
+                         f"  maxerr {r['maxerr']:.1e}")
         else:
             lines.append(f"{r['part']:<8} {r['case']:<34} rc {r['rc']} ({r['seconds']:.0f} s): see "
                          "bench_cold_start's table above")
