@@ -25,7 +25,7 @@ import operator
 
 import torch
 
-from ..runtime import launch
+from ..runtime.checks import may_cache
 from . import bounds
 
 # Undecided blocks are evaluated in chunks of at most this many mask elements,
@@ -492,7 +492,7 @@ def _offsets(block: int, device) -> torch.Tensor:
     t = _OFFSETS.get(key)
     if t is None:
         t = torch.arange(block, dtype=torch.int32, device=device)
-        if launch.may_cache(device):
+        if may_cache(device):
             _OFFSETS[key] = t
     return t
 

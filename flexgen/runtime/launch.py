@@ -143,19 +143,6 @@ class Replay:
         return True
 
 
-def may_cache(device: torch.device) -> bool:
-    """Whether a tensor made now on ``device`` may be kept in a module-level cache.
-
-    Not while torch.compile's CUDA graphs (mode="reduce-overhead") warm up or capture:
-    both run on the graph manager's own stream, whose allocations belong to the graph's
-    memory pool, and a tensor that outlives the graph's outputs there is refused
-    ("tensors in the cudagraph pool not tracked as outputs"). Off the default stream
-    nothing is cached: such a call makes its small tensors again.
-    """
-    device = torch.device(device)
-    return device.type != "cuda" or torch.cuda.current_stream(device) == torch.cuda.default_stream(device)
-
-
 class _Weak:
     """A kernel's tensor argument held by a weak reference: Triton's launcher takes any
     object with ``data_ptr()``."""
