@@ -234,3 +234,10 @@ def test_op_string_arguments_are_single_lines():
                       (causal, "mask_mod")):
         graph = trace(mod, kind).graph
         assert "\n" not in graph and "\r" not in graph, graph
+
+
+def test_block_mask_op_stays_out_of_cuda_graphs():
+    """Building a mask reads values back to the host, which a CUDA graph capture cannot hold
+    (on the H100, mode="reduce-overhead" with the mask built inside failed in capture):
+    the op is tagged so torch.compile runs it outside its graphs."""
+    assert torch.Tag.cudagraph_unsafe in torch.ops.flexgen.block_mask.default.tags

@@ -313,7 +313,10 @@ def call_paged_write_rope(*args) -> Tensor:
 
 # ---------------------------------------------------------------------------------- block masks
 
-@torch.library.custom_op("flexgen::block_mask", mutates_args=())
+# cudagraph_unsafe: building the lists reads values back to the host (the element-wise
+# pass visits only the blocks it must), which a CUDA graph capture cannot contain; under
+# mode="reduce-overhead" torch.compile runs this op outside its graphs.
+@torch.library.custom_op("flexgen::block_mask", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def block_mask(mask_buffers: list[Tensor], mask_mod: str, B: int, H: int, Q_LEN: int, KV_LEN: int,
                Q_BLOCK: int, KV_BLOCK: int, device: torch.device) -> Tensor:
     """create_block_mask's lists, as one int32 tensor (``flexgen.masks.builder.layout``)."""
