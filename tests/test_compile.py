@@ -240,4 +240,5 @@ def test_block_mask_op_stays_out_of_cuda_graphs():
     """Building a mask reads values back to the host, which a CUDA graph capture cannot hold
     (on the H100, mode="reduce-overhead" with the mask built inside failed in capture):
     the op is tagged so torch.compile runs it outside its graphs."""
+    import flexgen.runtime.ops  # noqa: F401  (registers the ops; flexgen imports it lazily)
     assert torch.Tag.cudagraph_unsafe in torch.ops.flexgen.block_mask.default.tags
