@@ -26,7 +26,7 @@ from ..codegen.printer import Snippet
 SIGMOID_REVISION = 3
 TEMPLATE_VERSIONS = {"forward": 5, "block_mask": 2,
                      "decode": 2, "decode_merge": 1, "paged_write": 1,
-                     "backward": 5, "linear": 1, "linear_decode": 1}
+                     "backward": 5, "linear": 2, "linear_decode": 1}
 
 
 def pad_head_dim(d: int) -> int:
