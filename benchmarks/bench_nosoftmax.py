@@ -1,6 +1,6 @@
 """Attention without softmax: sigmoid attention and decayed linear attention, against their peers.
 
-    python benchmarks/bench_nosoftmax.py            # the H100 grid (~2-4 min)
+    python benchmarks/bench_nosoftmax.py            # the H100 grid (~2 min; --budget 150 s)
     python benchmarks/bench_nosoftmax.py --smoke    # tiny sizes on CPU (interpreter): checks the script only
 
 bf16, H = 16 heads, D = 128, 16k tokens (``--length``), batch 1. Three parts, each case
@@ -16,7 +16,7 @@ checked for correctness before it is timed:
    lightning decay (a constant ``-slopes[h]`` per head; fla's ``g_gamma``) and per-token gates
    (``logsigmoid`` gates ``[B, H, T]``; fla's ``g``), forward and forward+backward.
    ``vs fla`` = fla ms / flexgen ms (target >= 1.0). flexgen is checked against fla's output
-   (and against ``linear_attention_reference`` at 1k tokens when fla is missing).
+   and against ``linear_attention_reference`` at 1k tokens.
 3. **linear decode**: ``flexgen.linear_attention_decode`` — one token per sequence updating a
    cache of states ``[B, H, 128, 128]`` float32 in place, B in {1, 64}, lightning decay —
    replayed from a CUDA graph (kernel time; as a serving loop runs it) and called from Python.
@@ -24,7 +24,10 @@ checked for correctness before it is timed:
    ``%copy`` is that over the device-to-device copy bandwidth measured in the same run
    (target >= 80% at B = 64).
 
-Times are ``triton.testing.do_bench`` medians. A case that fails is printed with its error and
+Cases run in order of importance (sigmoid causal, linear lightning and gates, sigmoid full,
+decode B=64 then 1, then fla's forward and forward+backward, since fla autotunes for minutes on
+its first calls), each printed as soon as it is measured; a case not started within ``--budget``
+seconds (150) is listed as skipped. Times are ``triton.testing.do_bench`` medians of ~50 ms. A case that fails is printed with its error and
 the run goes on; SIGTERM still writes the JSON and the table. Writes JSON (device, versions,
 every case) under ``$OUT`` when set (``--out`` overrides), else ``benchmarks/results/``.
 Prints a table last.
@@ -41,6 +44,7 @@ import gc  # noqa: E402
 import inspect  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 import traceback  # noqa: E402
 
 import torch  # noqa: E402
@@ -92,13 +96,13 @@ def _fwd_bwd(fn, leaves, d_out):
 
 # ---------------------------------------------------------------------------------- sigmoid
 
-def sigmoid_cases(args, timer, cuda, device) -> list:
+def sigmoid_cases(args, timer, cuda, device, variants=("causal", "full")) -> list:
     B, H, L, D = 1, args.heads, args.length, args.dim
     rows = []
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(B, H, L, D, generator=gen, device=device, dtype=DTYPE) for _ in range(3))
     d_out = torch.randn(B, H, L, D, generator=gen, device=device, dtype=DTYPE)
-    for variant in ("causal", "full"):
+    for variant in variants:
         row = dict(part="sigmoid", variant=variant, B=B, H=H, L=L, D=D)
         rows.append(row)
         try:
@@ -169,12 +173,9 @@ def _fla_layout(t):
     return t.transpose(1, 2).contiguous()
 
 
-def linear_cases(args, timer, cuda, device) -> list:
+def _linear_inputs(args, device):
+    """The linear cases' inputs (the same on every call: a seeded generator)."""
     B, H, T, D = 1, args.heads, args.length, args.dim
-    scale = D ** -0.5
-    fla, params = (None, "skipped (--skip-fla)") if args.skip_fla else fla_peer()
-    if fla is None:
-        print(f"  fla not available: {params}", flush=True)
     gen = torch.Generator(device=device).manual_seed(1)
     # Unit-norm rows keep the unnormalized states O(1) over 16k tokens, as a model's would.
     q, k = (F.normalize(torch.randn(B, H, T, D, generator=gen, device=device), dim=-1).to(DTYPE)
@@ -183,42 +184,40 @@ def linear_cases(args, timer, cuda, device) -> list:
     d_out = torch.randn(B, H, T, D, generator=gen, device=device, dtype=DTYPE)
     slopes = torch.tensor([2.0 ** (-8 * (i + 1) / H) for i in range(H)], device=device)
     gates = F.logsigmoid(torch.randn(B, H, T, generator=gen, device=device) + 4.0)
+    return q, k, v, d_out, slopes, gates
+
+
+def _linear_call(variant, slopes, g, scale):
+    """flexgen.linear_attention of one variant, as a function of (q, k, v)."""
+    def decay(b, h, t):
+        return -slopes[h] if variant == "lightning" else g[b, h, t]
+
+    def ours(q, k, v):
+        return flexgen.linear_attention(q, k, v, decay_mod=decay, scale=scale)
+    return decay, ours
+
+
+def linear_cases(args, timer, cuda, device, variants=("lightning", "gates")) -> list:
+    """flexgen's rows; the peer's numbers are added later by ``fla_cases`` (its first calls
+    autotune for minutes, so it runs after every flexgen case)."""
+    B, H, T, D = 1, args.heads, args.length, args.dim
+    scale = D ** -0.5
+    q, k, v, d_out, slopes, gates = _linear_inputs(args, device)
     rows = []
-    for variant in ("lightning", "gates"):
+    for variant in variants:
         row = dict(part="linear", variant=variant, B=B, H=H, T=T, D=D)
         rows.append(row)
         try:
             g = gates.clone()
-
-            def decay(b, h, t, g=g):
-                return -slopes[h] if variant == "lightning" else g[b, h, t]
-
-            def ours(q=q, k=k, v=v):
-                return flexgen.linear_attention(q, k, v, decay_mod=decay, scale=scale)
-
-            out = ours()
+            decay, ours = _linear_call(variant, slopes, g, scale)
+            out = ours(q, k, v)
             Ts = min(T, 1024)
             ref = linear_attention_reference(q[:, :, :Ts], k[:, :, :Ts], v[:, :, :Ts], decay, scale=scale,
                                              dtype=torch.float32)
             row["check_rel_err"] = _rel(out[:, :, :Ts], ref)
-            row["flexgen_ms"] = timer(ours)
+            row["flexgen_ms"] = timer(lambda: ours(q, k, v))
             leaves = [t.requires_grad_() for t in (q, k, v)] + ([g.requires_grad_()] if variant == "gates" else [])
             row["flexgen_fb_ms"] = timer(_fwd_bwd(lambda: ours(*leaves[:3]), leaves, d_out))
-            if fla is not None:
-                qf, kf, vf, do_f = (_fla_layout(t.detach()) for t in (q, k, v, d_out))
-                g_f = _fla_layout(g.detach()) if variant == "gates" else None
-                kw = lambda g_f=g_f: _fla_kwargs(  # noqa: E731
-                    params, B=B, T=T, H=H, scale=scale, gates=g_f,
-                    slopes=slopes if variant == "lightning" else None)
-                theirs = fla(qf, kf, vf, **kw())
-                theirs = theirs[0] if isinstance(theirs, tuple) else theirs
-                row["vs_fla_rel_err"] = _rel(_fla_layout(out), theirs)
-                row["fla_ms"] = timer(lambda: fla(qf, kf, vf, **kw()))
-                row["vs_fla"] = row["fla_ms"] / row["flexgen_ms"]
-                peer = [t.requires_grad_() for t in (qf, kf, vf)] + (
-                    [g_f.requires_grad_()] if g_f is not None else [])
-                row["fla_fb_ms"] = timer(_fwd_bwd(lambda: fla(*peer[:3], **kw(*peer[3:])), peer, do_f))
-                row["vs_fla_fb"] = row["fla_fb_ms"] / row["flexgen_fb_ms"]
         except Exception as exc:  # noqa: BLE001
             row["error"] = _err(exc)
             traceback.print_exc(limit=3)
@@ -229,6 +228,41 @@ def linear_cases(args, timer, cuda, device) -> list:
             _cleanup(cuda)
         print(f"  {row}", flush=True)
     return rows
+
+
+def fla_cases(args, timer, cuda, device, row, backward: bool) -> None:
+    """fla's chunk_simple_gla on ``row``'s inputs: its forward (and the flexgen/fla difference),
+    or with ``backward`` its forward+backward; results go into ``row``."""
+    fla, params = (None, "skipped (--skip-fla)") if args.skip_fla else fla_peer()
+    if fla is None:
+        row.setdefault("peer", f"fla not available: {params}")
+        return
+    B, H, T, D, variant = row["B"], row["H"], row["T"], row["D"], row["variant"]
+    scale = D ** -0.5
+    q, k, v, d_out, slopes, gates = _linear_inputs(args, device)
+    try:
+        qf, kf, vf, do_f = (_fla_layout(t) for t in (q, k, v, d_out))
+        g_f = _fla_layout(gates) if variant == "gates" else None
+        kw = lambda g_f=g_f: _fla_kwargs(  # noqa: E731
+            params, B=B, T=T, H=H, scale=scale, gates=g_f,
+            slopes=slopes if variant == "lightning" else None)
+        if not backward:
+            theirs = fla(qf, kf, vf, **kw())
+            theirs = theirs[0] if isinstance(theirs, tuple) else theirs
+            row["vs_fla_rel_err"] = _rel(_fla_layout(_linear_call(variant, slopes, gates, scale)[1](q, k, v)),
+                                         theirs)
+            row["fla_ms"] = timer(lambda: fla(qf, kf, vf, **kw()))
+            row["vs_fla"] = row["fla_ms"] / row["flexgen_ms"] if row.get("flexgen_ms") else None
+        else:
+            peer = [t.requires_grad_() for t in (qf, kf, vf)] + ([g_f.requires_grad_()] if g_f is not None else [])
+            row["fla_fb_ms"] = timer(_fwd_bwd(lambda: fla(*peer[:3], **kw(*peer[3:])), peer, do_f))
+            row["vs_fla_fb"] = row["fla_fb_ms"] / row["flexgen_fb_ms"] if row.get("flexgen_fb_ms") else None
+    except Exception as exc:  # noqa: BLE001
+        row["peer_error"] = _err(exc)
+        traceback.print_exc(limit=3)
+    finally:
+        _cleanup(cuda)
+    print(f"  {row}", flush=True)
 
 
 # ---------------------------------------------------------------------------------- decode
@@ -252,7 +286,7 @@ def graph_ms(fn, timer, cuda) -> float | None:
     return ms
 
 
-def decode_cases(args, timer, cuda, device, bw) -> list:
+def decode_cases(args, timer, cuda, device, bw, batches) -> list:
     H, D = args.heads, args.dim
     slopes = torch.tensor([2.0 ** (-8 * (i + 1) / H) for i in range(H)], device=device)
 
@@ -260,7 +294,7 @@ def decode_cases(args, timer, cuda, device, bw) -> list:
         return -slopes[h]
 
     rows = []
-    for B in args.batches:
+    for B in batches:
         row = dict(part="decode", B=B, H=H, D=D)
         rows.append(row)
         try:
@@ -325,7 +359,8 @@ def table(payload) -> str:
                      f"{_f(r.get('fla_ms'), '8.3f')} {_f(r.get('vs_fla'), '6.2f')} | "
                      f"{_f(r.get('flexgen_fb_ms'), '10.3f')} {_f(r.get('fla_fb_ms'), '8.3f')} "
                      f"{_f(r.get('vs_fla_fb'), '6.2f')} | {_f(r.get('vs_fla_rel_err'), '10.1e')} "
-                     f"{_f(r.get('check_rel_err'), '7.1e')}  {r.get('error', payload.get('fla', ''))}")
+                     f"{_f(r.get('check_rel_err'), '7.1e')}  "
+                     f"{r.get('error') or r.get('peer_error') or r.get('peer') or payload.get('fla', '')}")
     head = (f"{'decode':<10} {'B':>6} | {'graph us':>9} {'tok/s':>10} {'GB/s':>6} {'%copy':>5} | "
             f"{'eager us':>9} {'tok/s':>10} | {'rel err':>7}  note")
     lines += ["", head, "-" * len(head)]
@@ -348,6 +383,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,64", help="decode batch sizes")
     ap.add_argument("--parts", default="sigmoid,linear,decode")
     ap.add_argument("--skip-fla", action="store_true")
+    ap.add_argument("--budget", type=float, default=150.0,
+                    help="seconds: cases not started by then are listed as skipped")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (interpreter): tests the script")
     ap.add_argument("--out", default=None, help="output folder (default $OUT, else benchmarks/results)")
     args = ap.parse_args(argv)
@@ -358,7 +395,8 @@ def main(argv=None) -> int:
     if args.smoke:
         args.batches = [1, 4]
     device = torch.device("cuda" if cuda else "cpu")
-    timer = Timer(cuda)
+    # Short timings (medians of ~50 ms of calls): compiling dominates the run, not timing.
+    timer = Timer(cuda, warmup_ms=10, rep_ms=50)
     signal.signal(signal.SIGTERM, _stop)
     out_dir = args.out or os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
     os.makedirs(out_dir, exist_ok=True)
@@ -368,19 +406,42 @@ def main(argv=None) -> int:
     fla, why = fla_peer()
     payload["fla"] = "fla " + getattr(sys.modules.get("fla"), "__version__", "?") if fla else f"no fla ({why})"
     parts = set(args.parts.split(","))
+    # The cases in order of importance, each printed as soon as it is measured, so that a run
+    # cut short still has the ones that matter most.
+    cases = [("sigmoid", "causal"), ("linear", "lightning"), ("linear", "gates"), ("sigmoid", "full")]
+    cases += [("decode", B) for B in sorted(args.batches, reverse=True)]
+    # The peer last: fla autotunes on its first calls (minutes on a fresh machine).
+    cases += [("fla", ("lightning", False)), ("fla", ("gates", False)),
+              ("fla", ("lightning", True)), ("fla", ("gates", True))]
+
+    def peer(variant, backward):
+        rows = [c for c in payload["cases"] if c["part"] == "linear" and c["variant"] == variant]
+        if rows and "error" not in rows[0]:
+            fla_cases(args, timer, cuda, device, rows[0], backward)
+        return []
+
+    run = dict(
+        sigmoid=lambda v: sigmoid_cases(args, timer, cuda, device, (v,)),
+        linear=lambda v: linear_cases(args, timer, cuda, device, (v,)),
+        decode=lambda B: decode_cases(args, timer, cuda, device, payload.get("copy_gbps"), (B,)),
+        fla=lambda v: peer(*v))
+    start = time.monotonic()
     try:
         payload["copy_gbps"] = copy_gbps(timer, cuda)
-        if "sigmoid" in parts:
-            print("sigmoid attention vs flexgen softmax", flush=True)
-            payload["cases"] += sigmoid_cases(args, timer, cuda, device)
+        for part, variant in cases:
+            if (part if part != "fla" else "linear") not in parts:
+                continue
+            if time.monotonic() - start > args.budget:
+                print(f"{part} {variant}: skipped (past --budget {args.budget:.0f} s)", flush=True)
+                if part == "fla":
+                    continue
+                payload["cases"].append(dict(part=part, variant=variant, B=variant if part == "decode" else 1,
+                                             H=args.heads, D=args.dim, L=args.length, T=args.length,
+                                             error="skipped: past the time budget"))
+                continue
+            print(f"{part} {variant} ({time.monotonic() - start:.0f} s)", flush=True)
+            payload["cases"] += run[part](variant)
             write_json(json_path, payload)
-        if "linear" in parts:
-            print("linear attention vs fla", flush=True)
-            payload["cases"] += linear_cases(args, timer, cuda, device)
-            write_json(json_path, payload)
-        if "decode" in parts:
-            print("linear attention decode with a state cache", flush=True)
-            payload["cases"] += decode_cases(args, timer, cuda, device, payload.get("copy_gbps"))
     except Stop as exc:
         print(f"  stopped: {exc}", flush=True)
     write_json(json_path, payload)

@@ -515,8 +515,8 @@ def linear_attention(query, key, value, decay_mod=None, feature_map=None, scale=
     BLOCK_N the value-dim slice, num_warps / num_stages, BACKEND "TRITON" (always chunked) or
     "TRITON_DECODE" (always the recurrent kernel).
 
-    The prefill runs in chunks (O(T·C) per head): chunk states in parallel, a scan over the
-    chunks, then the outputs in parallel; a short call (T <= 16) with an ``initial_state``
+    The prefill runs in chunks (O(T·C) per head): the state entering each chunk, one chunk
+    after another per head and value slice, then the outputs of all chunks in parallel; a short call (T <= 16) with an ``initial_state``
     runs the recurrent decode kernel. Differentiable with respect to query, key, value,
     ``initial_state`` and floating tensors the decay_mod captures that require grad (the
     gates); the feature map's derivative is derived symbolically. One
@@ -564,13 +564,13 @@ def linear_attention_decode(query, key, value, state, slots, decay_mod=None, fea
         parse_options(kernel_options).text)
 
 
-LINEAR_PARTS = ("state", "scan", "output", "decode", "grad", "gates")
+LINEAR_PARTS = ("state", "output", "decode", "grad", "gates")
 
 
 def linear_kernel_source(query, key, value, decay_mod=None, feature_map=None, scale=None,
                          initial_state=None, enable_gqa=False, kernel_options=None, part="output") -> str:
     """The generated module source of one of ``linear_attention``'s kernels for these arguments:
-    ``part`` "state", "scan", "output" (the chunked forward), "decode" (the recurrent kernel),
+    ``part`` "state", "output" (the chunked forward), "decode" (the recurrent kernel),
     "grad" or "gates" (the backward; "gates" for a decay_mod whose captured tensors require
     grad). Nothing is launched."""
     from .runtime.plan import plan_linear, plan_linear_backward

@@ -1,7 +1,7 @@
 """flexgen.linear_attention / linear_attention_decode against the float64 step-by-step oracle.
 
 ``S_t = exp(g_t) S_{t-1} + φ(k_t)ᵀ v_t``, ``o_t = scale · φ(q_t) S_t`` with ``g = decay_mod(b, h, t)``
-and ``φ = feature_map``: the chunked kernels (state, scan, output), the recurrent decode kernel,
+and ``φ = feature_map``: the chunked kernels (state, output), the recurrent decode kernel,
 and the backward (grad, gates) on CPU tensors through the Triton interpreter, outputs poisoned
 with NaN. ``linear_attention_reference`` runs the recurrence one position at a time, so the
 chunking (lengths that are not multiples of the chunk, one chunk, many), the decay folded in
@@ -109,7 +109,7 @@ def test_forward_matches_reference(case):
     assert final.dtype == torch.float32 and final.shape == (B, Hq, D, Dv or D)
     _close(out, ref, ATOL[dtype], f"{case} out")
     _close(final, ref_final, ATOL[dtype], f"{case} final state")
-    assert ("linear", "scan") in _launched() and ("linear", "output") in _launched()
+    assert ("linear", "state") in _launched() and ("linear", "output") in _launched()
 
 
 def test_decode_kernel_for_short_calls_with_a_state():
@@ -286,7 +286,7 @@ SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
 GATES = torch.zeros(1, 4, 128, requires_grad=True)
 SNAPSHOTS = {
     "state_lightning": ("state", lightning(SLOPES), None),
-    "scan_decayed": ("scan", lightning(SLOPES), None),
+    "state_plain_elu": ("state", None, elu1),
     "output_lightning_elu": ("output", lightning(SLOPES), elu1),
     "output_plain": ("output", None, None),
     "grad_gates_elu": ("grad", gated(GATES), elu1),

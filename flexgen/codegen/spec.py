@@ -23,9 +23,10 @@ from .snippet import Snippet
 # (The sigmoid activation left the softmax kernels' sources as they were: no new versions.
 # Full-tile mod results and FLEXGEN_DEBUG's kernel_jit changed forward, backward, decode
 # and block_mask's; the fused RoPE paged_write's, packed mixed steps decode's.)
+SIGMOID_REVISION = 3
 TEMPLATE_VERSIONS = {"forward": 5, "block_mask": 2,
                      "decode": 3, "decode_merge": 1, "paged_write": 2,
-                     "backward": 5, "linear": 1, "linear_decode": 1}
+                     "backward": 5, "linear": 2, "linear_decode": 1}
 
 
 def pad_head_dim(d: int) -> int:
@@ -72,6 +73,10 @@ class KernelSpec:
     @functools.cached_property
     def key(self) -> str:
         text = repr((self.template_version,) + astuple(self))
+        if self.activation == "sigmoid":
+            # The sigmoid kernels' own revision (3: tanh.approx on the GPU, from the half argument), kept out of the
+            # template versions so that the softmax kernels' keys and sources stay as they were.
+            text += f" sigmoid revision {SIGMOID_REVISION}"
         return hashlib.sha256(text.encode()).hexdigest()
 
     @property

@@ -8,10 +8,12 @@
 **Chunked forward** (``templates/linear.py.jinja``), chunks of C positions, G the running
 sum of g inside a chunk (inclusive), g_c its total, S_in[c] the state entering chunk c:
 
-1. ``state``: U[c] = Σ_j exp(g_c - G_j) φ(k_j)ᵀ v_j, every chunk in parallel;
-2. ``scan``: S_in[0] = S_0, S_in[c+1] = exp(g_c) S_in[c] + U[c], in place over U, one chunk
-   after another but parallel over (batch, head, state elements) — pure bandwidth;
-3. ``output``: o_i = scale (exp(G_i) φ(q_i) S_in[c] + Σ_{j<=i} exp(G_i - G_j)(φ(q_i)·φ(k_j)) v_j),
+1. ``state``: S_in[0] = S_0, S_in[c+1] = exp(g_c) S_in[c] + U[c] with
+   U[c] = Σ_j exp(g_c - G_j) φ(k_j)ᵀ v_j: one program per (batch, head, value slice) walks the
+   chunks with its state tile in registers and writes each S_in[c] once, in the inputs' dtype
+   (what the output kernel multiplies in). A chunk's U is one small dot whose loads run ahead
+   of the serial chain; no [chunks, Dk, Dv] float32 buffer of U is written, scanned and reread;
+2. ``output``: o_i = scale (exp(G_i) φ(q_i) S_in[c] + Σ_{j<=i} exp(G_i - G_j)(φ(q_i)·φ(k_j)) v_j),
    every chunk in parallel (the lightning attention split: inter-chunk through the state,
    intra-chunk quadratic in C). O(T·C) work per head, not O(T²).
 
@@ -20,7 +22,7 @@ step-by-step float64 oracle. With dS_out[c] the gradient of the state leaving ch
 
 - reverse recurrence: dS_out[last] = dS_T (the final state's gradient, or 0) and
   dS_out[c-1] = exp(g_c) dS_out[c] + scale Σ_{i in c} exp(G_i) φ(q_i)ᵀ dO_i, i.e. the same
-  ``state`` (REVERSE) and ``scan`` (walking backwards) kernels; what is left after chunk 0
+  ``state`` kernel, walking backwards (REVERSE); what is left after chunk 0
   is the initial state's gradient dS_0;
 - per chunk (``grad``), with A_ij = scale exp(G_i - G_j) [i >= j] and dP = (dO Vᵀ) ⊙ A:
   dφ(Q) = dP φ(K) + scale exp(G) ⊙ dO S_inᵀ;  dφ(K) = dPᵀ φ(Q) + exp(g_c - G) ⊙ V dS_outᵀ;
@@ -52,14 +54,13 @@ from ..runtime.poison import poison
 @dataclass(frozen=True)
 class LinearSpec(KernelSpec):
     """A ``KernelSpec`` for one part of the linear templates. block_m is the chunk size
-    (BLOCK_T), block_n the value-dim slice (BLOCK_DV; the scan's elements per program)."""
+    (BLOCK_T), block_n the value-dim slice (BLOCK_DV)."""
     part: str = "output"
     decay: object = None                # Snippet of g = decay_mod(b, h, t), or None (g = 0)
     feature: object = None              # Snippet of φ(x), or None (identity)
     feature_grad: str | None = None     # code of φ'(x) after the feature's lines (grad part)
     decay_buffers: tuple = ()
     feature_buffers: tuple = ()
-    decayed: bool = False               # scan part: the chunks have decays (GSUM is read)
     decay_grad_lines: tuple = ()        # gates part: statements computing the partials
     scatters: tuple = ()                # gates part: GateScatter per differentiated load
     grad_buffers: tuple = ()            # gates part: BufferSig per gradient buffer
@@ -93,10 +94,10 @@ class LinearPlan:
     device: torch.device
     scale: float
     chunk: int                   # positions per chunk (BLOCK_T)
+    grad_dv: int                 # the grad kernel's value-dim slice
     decay_traced: object         # TracedMod or None
     feature_traced: object       # TracedMod or None
     state: LinearSpec | None = None
-    scan: LinearSpec | None = None
     output: LinearSpec | None = None
     decode: LinearSpec | None = None
     common: dict = field(default_factory=dict, repr=False)    # spec fields every part shares
@@ -109,7 +110,7 @@ class LinearPlan:
 
 @dataclass(frozen=True)
 class LinearBackward:
-    """The backward's kernels of a planned call (the forward's state and scan kernels too)."""
+    """The backward's kernels of a planned call (the forward's state kernel too)."""
     grad: LinearSpec
     gates: LinearSpec | None     # None: no captured tensor of the decay_mod gets a gradient
     grad_slots: tuple
@@ -117,22 +118,16 @@ class LinearBackward:
 
 # ---------------------------------------------------------------------------------- running
 
-def _states(plan: LinearPlan, x, y, decay_buffers, feature_buffers, *, reverse: bool, init, final,
-            gsum=None):
-    """The ``state`` kernel then the ``scan``: per-chunk states [B, Hq, chunks, Dk, Dv] (S_in, or
-    with ``reverse`` dS_out), and the chunks' decays [B, Hq, chunks] (made when ``gsum`` is None)."""
-    device = x.device
-    B, Hq, NC = plan.B, plan.Hq, plan.num_chunks
-    states = torch.empty(B, Hq, NC, plan.Dk, plan.Dv, dtype=torch.float32, device=device)
-    if gsum is None:
-        gsum = torch.empty(B, Hq, NC, dtype=torch.float32, device=device)
-        poison(gsum if plan.decay_traced is not None else None)
+def _states(plan: LinearPlan, x, y, decay_buffers, feature_buffers, *, reverse: bool, init, final):
+    """The ``state`` kernel: per-chunk states [B, Hq, chunks, Dk, Dv] in the inputs' dtype (S_in,
+    or with ``reverse`` dS_out); ``final`` (float32 or None) gets the state after the last one."""
+    states = torch.empty(plan.B, plan.Hq, plan.num_chunks, plan.Dk, plan.Dv, dtype=plan.dtype,
+                         device=x.device)
     poison(states)
-    launch.run(plan.state, device, dict(
-        x=x, y=y, u=states, gsum=gsum, decay_buffers=decay_buffers, feature_buffers=feature_buffers,
-        scale=plan.scale, group=plan.Hq // plan.Hkv, reverse=reverse))
-    launch.run(plan.scan, device, dict(states=states, gsum=gsum, init=init, final=final, reverse=reverse))
-    return states, gsum
+    launch.run(plan.state, x.device, dict(
+        x=x, y=y, states=states, init=init, final=final, decay_buffers=decay_buffers,
+        feature_buffers=feature_buffers, scale=plan.scale, group=plan.Hq // plan.Hkv, reverse=reverse))
+    return states
 
 
 def run_linear(plan: LinearPlan, query, key, value, initial_state, decay_buffers, feature_buffers,
@@ -149,8 +144,8 @@ def run_linear(plan: LinearPlan, query, key, value, initial_state, decay_buffers
             q=query, k=key, v=value, out=out, state_in=initial_state, state_out=final, slots=None,
             decay_buffers=decay_buffers, feature_buffers=feature_buffers, scale=plan.scale))
         return out, final
-    states, _ = _states(plan, key, value, decay_buffers, feature_buffers, reverse=False,
-                        init=initial_state, final=final)
+    states = _states(plan, key, value, decay_buffers, feature_buffers, reverse=False,
+                     init=initial_state, final=final)
     launch.run(plan.output, device, dict(
         q=query, k=key, v=value, states=states, out=out, decay_buffers=decay_buffers,
         feature_buffers=feature_buffers, scale=plan.scale))
@@ -182,14 +177,13 @@ def run_linear_backward(plan: LinearPlan, bw: LinearBackward, query, key, value,
     final = None
     if gates and grad_state is not None:
         final = torch.empty(B, Hq, plan.Dk, plan.Dv, dtype=torch.float32, device=device)
-    states, gsum = _states(plan, key, value, decay_buffers, feature_buffers, reverse=False,
-                           init=initial_state, final=final)
+    states = _states(plan, key, value, decay_buffers, feature_buffers, reverse=False,
+                     init=initial_state, final=final)
     d_init = torch.empty(B, Hq, plan.Dk, plan.Dv, dtype=torch.float32, device=device) \
         if needs_state else None
     poison(d_init)
-    dstates, _ = _states(plan, query, grad_out, decay_buffers, feature_buffers, reverse=True,
-                         init=None if grad_state is None else grad_state.contiguous(), final=d_init,
-                         gsum=gsum)
+    dstates = _states(plan, query, grad_out, decay_buffers, feature_buffers, reverse=True,
+                      init=None if grad_state is None else grad_state.contiguous(), final=d_init)
     dq = torch.empty(B, Hq, T, plan.Dk, dtype=plan.dtype, device=device)
     # dK / dV per query head: a GQA group's heads are summed below (in float32).
     per_head = plan.dtype if group == 1 else torch.float32

@@ -11,6 +11,7 @@ repeats a planned call can ``Replay`` it with new leading tensors.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
 import weakref
@@ -26,6 +27,10 @@ from ..codegen.spec import KernelSpec
 # When a list, every launch appends (spec, args, constexprs): flexgen.runtime.aot
 # compiles each recorded kernel for a GPU target the machine may not have.
 RECORDED: list | None = None
+
+# Sigmoid kernels compute sigmoid(x) = 0.5 tanh(x / 2) + 0.5 with tanh.approx.f32 on the GPU;
+# FLEXGEN_EXACT_SIGMOID=1 makes them use 1 / (1 + 2^e) there too (to compare the two).
+EXACT_SIGMOID = os.environ.get("FLEXGEN_EXACT_SIGMOID", "0") not in ("", "0")
 
 _INTERPRETED: dict = {}
 _PATCH_LOCK = threading.RLock()
@@ -193,6 +198,9 @@ def _launch_once(spec: KernelSpec, device: torch.device, inputs):
     if "DOT_UPCAST" in module.KERNEL.arg_names:
         # The interpreter's bf16 tl.dot is wrong; kernels multiply in float32 there.
         constexprs = dict(constexprs, DOT_UPCAST=interpret)
+    if "EXACT_SIGMOID" in module.KERNEL.arg_names:
+        # Sigmoid kernels: tanh.approx (PTX) on the GPU, the exact formula where no PTX runs.
+        constexprs = dict(constexprs, EXACT_SIGMOID=interpret or EXACT_SIGMOID)
     if interpret:
         options = dict(num_warps=module.NUM_WARPS, num_stages=getattr(module, "NUM_STAGES", 1))
         with _library_interpreted():
