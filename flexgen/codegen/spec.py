@@ -20,7 +20,7 @@ from .. import __version__
 from ..codegen.printer import Snippet
 
 # (The sigmoid activation left the softmax kernels' sources as they were: no new versions.)
-TEMPLATE_VERSIONS = {"forward": 4, "block_mask": 1,
+TEMPLATE_VERSIONS = {"forward": 4, "forward_gluon": 1, "block_mask": 1,
                      "decode": 1, "decode_merge": 1, "paged_write": 1,
                      "backward": 4, "linear": 1, "linear_decode": 1}
 
