@@ -250,3 +250,52 @@ def test_gluon_matches_the_tl_kernel_and_writes_max_scores():
     torch.testing.assert_close(og.float(), ot.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(aux_g.lse, aux_t.lse, atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(aux_g.max_scores, aux_t.max_scores, atol=1e-3, rtol=1e-4)
+
+
+@needs_hopper
+def test_gluon_forward_feeds_the_tl_backward():
+    """A training step with the Gluon forward: its output and LSE feed the tl backward, and
+    the gradients are those of a tl forward."""
+    grads = {}
+    for backend in ("gluon", "tl"):
+        torch.manual_seed(3)
+        q, k, v = (t.requires_grad_() for t in make_qkv(B=1, H=4, Hkv=2, L=700, D=64,
+                                                        dtype=torch.bfloat16, device="cuda"))
+        bm = create_block_mask(M.causal_mask, None, None, 700, 700, device="cuda")
+        out = flex_attention(q, k, v, block_mask=bm, enable_gqa=True,
+                             kernel_options={"BACKEND": backend})
+        out.float().pow(2).sum().backward()
+        grads[backend] = (out.detach(), q.grad, k.grad, v.grad)
+    for g, t in zip(grads["gluon"], grads["tl"]):
+        torch.testing.assert_close(g.float(), t.float(), atol=3e-2, rtol=3e-2)
+
+
+def _compile_fails(monkeypatch):
+    """Make every Gluon launch fail as a Triton whose Gluon API changed would."""
+    from triton.compiler.errors import CompilationError
+    from flexgen.runtime import launch
+    real = launch.run
+
+    def run(spec, device, inputs, **kwargs):
+        if spec.template == "forward_gluon":
+            raise CompilationError("kernel.py", None, "gl.warp_specialize() got an unexpected keyword")
+        return real(spec, device, inputs, **kwargs)
+    monkeypatch.setattr(launch, "run", run)
+
+
+def test_a_gluon_compile_error_under_auto_falls_back_to_tl(as_if_hopper, monkeypatch):
+    monkeypatch.setattr(plan_module, "GLUON_MIN_SCORES", 0)
+    _compile_fails(monkeypatch)
+    q, k, v = make_qkv(B=1, H=2, L=80, D=64, dtype=torch.bfloat16)
+    plan = flexgen.api.plan(q, k, v)
+    assert plan.spec.template == "forward_gluon"
+    run_and_check(q, k, v)
+    assert plan.spec.template == "forward" and plan.tl_spec is None
+    run_and_check(q, k, v)                     # later calls go straight to the tl kernel
+
+
+def test_a_gluon_compile_error_under_backend_gluon_says_so(as_if_hopper, monkeypatch):
+    _compile_fails(monkeypatch)
+    q, k, v = make_qkv(B=1, H=2, L=80, D=64, dtype=torch.bfloat16)
+    with pytest.raises(InputError, match="compile error with Triton"):
+        flex_attention(q, k, v, kernel_options=GLUON)
