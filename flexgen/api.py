@@ -310,6 +310,15 @@ def decode_attention(query, key, value, score_mod=None, block_mask=None, scale=N
                                     "flex_attention" if mQ == Lq else
                                     "build the mask for the cache's logical length "
                                     "(PagedKVCache.block_mask)"))
+    if (score_buffers or mask_buffers) and not torch.compiler.is_compiling():
+        # Captured tensors indexed outside their bounds raise, as torch's indexing would. The
+        # positions come from the host lengths, which only this eager wrapper has (under
+        # torch.compile, FLEXGEN_DEBUG=1's device asserts are the check).
+        from .frontend.bounds_check import check_decode_indices
+        from .frontend.trace import TracedMod
+        check_decode_indices(TracedMod.from_graph(score_mod, score_buffers) if score_mod else None,
+                             TracedMod.from_graph(mask_text, mask_buffers) if mask_text else None,
+                             (B, query.shape[1], Lq), q_offsets, host_ql, host_kv, kv_max, capacity)
     if max_kv_len is None:
         max_kv_len = capacity if kv_max is None else kv_max
     out, lse = ops.call_decode(

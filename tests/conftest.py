@@ -78,27 +78,33 @@ def _arg_types(args) -> tuple:
     return tuple(str(a.dtype) if isinstance(a, torch.Tensor) else type(a).__name__ for a in args)
 
 
+def compile_error(spec, args, constexprs) -> str | None:
+    """Compile one recorded launch for sm_90 (memoized): None, or the compiler's error text."""
+    import time
+    # constexprs too: EVEN_KV and friends select different code in one spec.
+    key = (spec.key, _arg_types(args), tuple(sorted((k, repr(v)) for k, v in constexprs.items())))
+    if key not in _AOT_RESULTS:
+        start = time.perf_counter()
+        try:
+            aot.compile_launch(spec, args, constexprs)
+            _AOT_RESULTS[key] = None
+        except Exception as exc:  # any compiler error is a test failure
+            _AOT_RESULTS[key] = f"{type(exc).__name__}: {exc}"
+        AOT_STATS["compiled"] += 1
+        AOT_STATS["seconds"] += time.perf_counter() - start
+    return _AOT_RESULTS[key]
+
+
 def compile_recorded(recorded) -> int:
     """Compile each recorded launch for sm_90 (memoized); fail the test on an error.
 
     Returns the number of kernels newly compiled.
     """
-    import time
     new, failures = 0, []
     for spec, args, constexprs in recorded:
-        # constexprs too: EVEN_KV and friends select different code in one spec.
-        key = (spec.key, _arg_types(args), tuple(sorted((k, repr(v)) for k, v in constexprs.items())))
-        if key not in _AOT_RESULTS:
-            start = time.perf_counter()
-            try:
-                aot.compile_launch(spec, args, constexprs)
-                _AOT_RESULTS[key] = None
-            except Exception as exc:  # any compiler error is a test failure
-                _AOT_RESULTS[key] = f"{type(exc).__name__}: {exc}"
-            AOT_STATS["compiled"] += 1
-            AOT_STATS["seconds"] += time.perf_counter() - start
-            new += 1
-        error = _AOT_RESULTS[key]
+        before = AOT_STATS["compiled"]
+        error = compile_error(spec, args, constexprs)
+        new += AOT_STATS["compiled"] - before
         if error is not None and spec.key not in (f[0] for f in failures):
             failures.append((spec.key, spec.kernel_name, spec.template, error))
     if failures:
@@ -242,4 +248,5 @@ def helpers():
     return sys.modules[__name__]
 
 
-__all__ = ["make_qkv", "check", "run_and_check", "kernel_count", "compile_recorded", "ATOL"]
+__all__ = ["make_qkv", "check", "run_and_check", "kernel_count", "compile_recorded", "compile_error",
+           "ATOL"]

@@ -397,7 +397,7 @@ def test_deterministic_mode_is_bitwise_reproducible_on_gpu(deterministic):
                for h in (Hq, Hkv, Hkv))
     table = (torch.randn(Hq, 2 * L - 1, generator=g) * 0.5).cuda().requires_grad_()
     slopes = torch.rand(Hq, generator=g).cuda().requires_grad_()
-    score_mod = M.compose_score_mods(M.relative_position_bias(table, L), M.alibi(slopes))
+    score_mod = M.compose_score_mods(M.relative_position_bias(table, L), M.alibi(slopes=slopes))
     mask = create_block_mask(M.causal_mask, None, None, L, L, device="cuda")
     d_out = torch.randn(B, Hq, L, D, generator=g).cuda().to(torch.bfloat16)
     runs = []

@@ -226,6 +226,16 @@ def test_partial_blocks_of_a_noop_mask_are_visited():
         torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4, msg=lambda m, name=name: f"d{name}: {m}")
 
 
+def test_create_mask_rejects_a_float_mask_mod_like_every_entry_point():
+    """It evaluated the mod with torch and cast floats to bool; create_block_mask refuses them."""
+    def signed_distance(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx) * 1.0
+
+    for entry in (create_mask, create_block_mask):
+        with pytest.raises(flexgen.TraceError, match="mask_mod 'signed_distance'.*return a bool"):
+            entry(signed_distance, 1, 1, 8, 8, device="cpu")
+
+
 def test_new_lengths_reuse_the_mask_kernel(monkeypatch):
     def odd_band(b, h, q_idx, kv_idx):   # needs the element kernel (undecided blocks)
         return ((q_idx + kv_idx) % 5 != 0) & (abs(q_idx - kv_idx) < 30)

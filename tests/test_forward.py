@@ -302,6 +302,27 @@ def test_low_precision_dtypes(dtype):
 
 # --- LSE and fully masked rows ----------------------------------------------------------------
 
+@pytest.mark.parametrize("Hq,Hkv", [(0, 0), (0, 2), (2, 0)])
+def test_zero_heads_is_an_input_error(Hq, Hkv):
+    """The kernels divided by the head counts (the dK/dV kernel by 0 // 0 inside the kernel, the
+    host by zero elsewhere); torch's flex_attention raises ZeroDivisionError on 0 heads."""
+    q, k = torch.randn(1, Hq, 40, 16), torch.randn(1, Hkv, 40, 16)
+    for L in (40, 3):          # the forward and the decode kernel
+        with pytest.raises(flexgen.InputError, match="at least 1 head"):
+            flex_attention(q[:, :, :L], k, k, enable_gqa=True)
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 40), (1, 2, 0), (0, 2, 3)])
+def test_empty_batch_or_queries_give_empty_outputs(shape):
+    """As torch's flex_attention does for an empty batch: empty outputs, and empty gradients."""
+    q = torch.randn(*shape, 16, requires_grad=True)
+    k, v = (torch.randn(shape[0], 2, 40, 16, requires_grad=True) for _ in range(2))
+    out, lse = flex_attention(q, k, v, return_lse=True)
+    assert out.shape == q.shape and lse.shape == q.shape[:3]
+    out.sum().backward()
+    assert q.grad.shape == q.shape and (k.grad == 0).all() and (v.grad == 0).all()
+
+
 def test_lse_is_natural_log():
     q, k, v = make_qkv(B=1, H=1, L=67)
     _, lse = flex_attention(q, k, v, return_lse=True)

@@ -245,7 +245,7 @@ def test_a_repeated_call_reuses_its_plan():
 def _plan_change(change):
     """(first plan, plan after ``change``) of one call."""
     q = torch.randn(1, 2, 40, 32)
-    bias = torch.randn(2)
+    bias = torch.randn(4)       # one per head of the GQA case's query heads (h indexes it)
 
     def biased(score, b, h, q_idx, kv_idx):
         return score + bias[h]
@@ -271,13 +271,13 @@ def _plan_change(change):
     elif change == "score_mod":
         args.update(score_mod=lambda score, b, h, q_idx, kv_idx: score * 2)
     elif change == "captured_dtype":
-        bias = torch.randn(2, dtype=torch.float64)     # the closure now reads a float64 tensor
+        bias = torch.randn(4, dtype=torch.float64)     # the closure now reads a float64 tensor
     elif change == "mask_object":
         args.update(block_mask=flexgen.create_block_mask(_causal, None, None, 40, 40, device="cpu"))
     elif change == "mask_lists":
         mask.kv_num_blocks = mask.kv_num_blocks.clone()
     elif change == "captured_tensor":
-        bias = torch.randn(2)                          # a new tensor, same dtype and shape
+        bias = torch.randn(4)                          # a new tensor, same dtype and shape
     elif change == "alignment":
         args.update(q=_misaligned(q))                  # same shape and strides
     return first, _plan(**args)

@@ -14,12 +14,17 @@ and per buffer ``{name}_ptr``, ``{name}_size{d}``, ``{name}_stride{d}``.
 """
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass
 
 import sympy
 from sympy.core.function import UndefinedFunction
 
-from ..frontend.expr import SYMBOLS, BitAnd, BitNot, BitOr, BitXor, Sigmoid, Trunc
+from ..codegen import debug
+from ..frontend.expr import SYMBOLS, BitAnd, BitNot, BitOr, BitXor, Sigmoid, Trunc, free_indices
+
+
+TL_DTYPES = {"float": "tl.float32", "int": "tl.int32", "bool": "tl.int1"}
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,67 @@ class Snippet:
     lines: tuple        # "name = code" statements, in order
     result: str         # the expression holding the value after ``lines``
     kind: str           # "bool", "int" or "float"
+    # The names among score, b, h, q_idx, kv_idx the value depends on, sorted (a tuple:
+    # the spec's key is its repr, which must not depend on the hash seed); None: unknown.
+    free: tuple | None = None
+
+    def tile(self, rows: str, cols: str) -> str:
+        """``result`` as a full [rows, cols] tile, the shape a template's softmax and dots need.
+
+        In every template ``score`` is a [rows, cols] tile, ``q_idx`` a column and
+        ``kv_idx`` a row, so a value of ``score`` or of both positions is a tile
+        already; anything else (``q_idx * 0.1``, ``h``, a constant) is broadcast. A
+        Python literal becomes a tile of its own (``tl.broadcast_to`` takes tensors).
+        """
+        free = self.free
+        if free is not None and ("score" in free or ("q_idx" in free and "kv_idx" in free)):
+            return self.result
+        if literal_value(self.result) is not None:
+            return f"tl.full(({rows}, {cols}), {self.result}, {TL_DTYPES[self.kind]})"
+        return f"tl.broadcast_to({self.result}, ({rows}, {cols}))"
+
+    @property
+    def checks_reads(self) -> bool:
+        """Whether the statements assert that loads stay in bounds (debug mode): they read ``live``."""
+        return any(line.startswith("tl.device_assert(") for line in self.lines)
+
+
+_SPECIAL_FLOATS = {'float("nan")': float("nan"), 'float("inf")': float("inf"),
+                   'float("-inf")': float("-inf")}
+
+
+def literal_value(code: str):
+    """The value of ``code`` when it is a Python literal (``2``, ``-1``, ``0.5``, ``True``,
+    ``float("inf")``), else None: a literal has no ``.to()``, no shape and no dtype."""
+    if code in _SPECIAL_FLOATS:
+        return _SPECIAL_FLOATS[code]
+    try:
+        value = ast.literal_eval(code)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return None
+    return value if isinstance(value, (bool, int, float)) else None
+
+
+def cast(code: str, kind: str, target: str) -> str:
+    """``code`` (of ``kind``) converted to ``target`` ("float", "int" or "bool") as torch converts.
+
+    A Python literal is converted here, in Python: Triton has no ``(2).to(...)``.
+    """
+    if kind == target:
+        return code
+    value = literal_value(code)
+    if value is not None and (target == "bool" or value == value and abs(value) != float("inf")):
+        if target == "float":
+            return _float_literal(value)
+        if target == "int":
+            return str(int(value))          # toward zero, as .to(torch.int32)
+        return repr(bool(value))
+    if value is not None:
+        # inf or nan to an integer: no literal for it; let the device convert as it does.
+        code = f"tl.full([1, 1], {code}, tl.float32)"
+    if target == "bool":
+        return f"({code} != 0)"
+    return f"({code}).to({TL_DTYPES[target]})"
 
 
 def _float_literal(value) -> str:
@@ -68,18 +134,13 @@ class TritonPrinter:
 
     # --- helpers -----------------------------------------------------------------
     def as_float(self, e) -> str:
-        if e.is_Integer:
-            return f"{int(e)}.0"
-        code, kind = self.print(e)
-        return f"({code}).to(tl.float32)" if kind != "float" else code
+        return cast(*self.print(e), "float")
 
     def as_int(self, e) -> str:
-        code, kind = self.print(e)
-        return f"({code}).to(tl.int32)" if kind != "int" else code
+        return cast(*self.print(e), "int")
 
     def as_bool(self, e) -> str:
-        code, kind = self.print(e)
-        return f"({code} != 0)" if kind != "bool" else code
+        return cast(*self.print(e), "bool")
 
     def numeric(self, args):
         printed = [self.print(a) for a in args]
@@ -168,11 +229,11 @@ class TritonPrinter:
             printed, kind = self.numeric(num or [sympy.Integer(1)])
         code = " * ".join(c for c, _ in printed)
         if float_coeff is not None:
-            code = f"{float_coeff} * " + (code if kind == "float" else f"({code}).to(tl.float32)")
+            code = f"{float_coeff} * " + cast(code, kind, "float")
             kind = "float"
         if den:
             dcode = " * ".join(self.as_float(d) for d in den)
-            fnum = code if kind == "float" else f"({code}).to(tl.float32)"
+            fnum = cast(code, kind, "float")
             code, kind = f"{fnum} / ({dcode})" if len(den) > 1 else f"{fnum} / {dcode}", "float"
         return f"{sign}({code})" if sign else f"({code})", kind
 
@@ -255,7 +316,7 @@ class TritonPrinter:
         return f"_floormod_float({self.as_float(e.args[0])}, {self.as_float(e.args[1])})", "float"
 
     def _print_Trunc(self, e):
-        return f"({self.as_float(e.args[0])}).to(tl.int32)", "int"
+        return cast(self.as_float(e.args[0]), "float", "int"), "int"
 
     def _minmax(self, e, fn):
         args = list(sympy.ordered(e.args))
@@ -360,7 +421,15 @@ class TritonPrinter:
             code = f"tl.load({name}_ptr)"
         else:
             offsets, in_bounds = self._index_terms(e, name)
-            # Positions outside the tensor (only reached in padded tails) read 0.
+            if debug.DEBUG:
+                # ``live``: the tile's real positions (the template binds it); padding may
+                # index anything. The host checked what it could (frontend/bounds_check.py).
+                mod = "score_mod" if name.startswith("s") else "mask_mod"
+                self.lines.append(f"tl.device_assert(({' & '.join(in_bounds)}) | (live == 0), \"flexgen "
+                                  f"(FLEXGEN_DEBUG=1): the {mod} reads its captured tensor {name[4:]} "
+                                  f"out of bounds (torch raises IndexError)\")")
+            # Positions outside the tensor (padded tails; without debug mode, also an index
+            # the host could not check) read 0.
             code = (f"tl.load({name}_ptr + {' + '.join(offsets)}, "
                     f"mask={' & '.join(in_bounds)}, other=0)")
         integer = bool(e.is_integer)
@@ -403,6 +472,12 @@ class JointSnippet:
     lines: tuple        # "name = code" statements, in order
     results: tuple      # one expression per value, valid after ``lines``
     kinds: tuple        # "bool", "int" or "float" per value
+    frees: tuple = ()   # the free names (Snippet.free) of each value
+
+    def snippet(self, i: int) -> Snippet:
+        """Value ``i`` as a ``Snippet`` (after all of the statements)."""
+        return Snippet(self.lines, self.results[i], self.kinds[i],
+                       self.frees[i] if self.frees else None)
 
 
 def print_joint(exprs, temp_prefix: str) -> JointSnippet:
@@ -419,7 +494,8 @@ def print_joint(exprs, temp_prefix: str) -> JointSnippet:
         name, kind = printer.temp(code, kind)
         printer.names[sym], printer.kinds[sym] = name, kind
     printed = [printer.print(r) for r in reduced]
-    return JointSnippet(tuple(printer.lines), tuple(c for c, _ in printed), tuple(k for _, k in printed))
+    return JointSnippet(tuple(printer.lines), tuple(c for c, _ in printed), tuple(k for _, k in printed),
+                        tuple(tuple(sorted(free_indices(e))) for e in exprs))
 
 
 @dataclass(frozen=True)
@@ -447,7 +523,7 @@ def print_snippet(expr, temp_prefix: str) -> Snippet:
         name, kind = printer.temp(code, kind)
         printer.names[sym], printer.kinds[sym] = name, kind
     code, kind = printer.print(reduced)
-    return Snippet(tuple(printer.lines), code, kind)
+    return Snippet(tuple(printer.lines), code, kind, tuple(sorted(free_indices(expr))))
 
 
 __all__ = ["Snippet", "TritonPrinter", "print_snippet", "SYMBOLS",

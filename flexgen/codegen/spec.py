@@ -17,12 +17,15 @@ import torch
 import triton
 
 from .. import __version__
+from ..codegen import debug
 from ..codegen.printer import Snippet
 
-# (The sigmoid activation left the softmax kernels' sources as they were: no new versions.)
-TEMPLATE_VERSIONS = {"forward": 4, "forward_gluon": 1, "block_mask": 1,
-                     "decode": 1, "decode_merge": 1, "paged_write": 1,
-                     "backward": 4, "linear": 1, "linear_decode": 1}
+# (The sigmoid activation left the softmax kernels' sources as they were: no new versions.
+# Full-tile mod results and FLEXGEN_DEBUG's kernel_jit changed forward, backward, decode
+# and block_mask's.)
+TEMPLATE_VERSIONS = {"forward": 5, "forward_gluon": 1, "block_mask": 2,
+                     "decode": 2, "decode_merge": 1, "paged_write": 1,
+                     "backward": 5, "linear": 1, "linear_decode": 1}
 
 
 def pad_head_dim(d: int) -> int:
@@ -58,6 +61,7 @@ class KernelSpec:
     # forward, backward, decode, decode_merge: "softmax" (flex_attention) or "sigmoid"
     # (sigmoid_attention: each weight sigmoid(z + bias) on its own, no row normalization).
     activation: str = "softmax"
+    debug: bool = debug.DEBUG      # FLEXGEN_DEBUG: loads of captured tensors asserted in bounds
     flexgen_version: str = __version__
     triton_version: str = triton.__version__
 

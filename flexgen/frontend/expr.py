@@ -22,6 +22,7 @@ import sympy
 import torch
 from sympy.core.function import UndefinedFunction
 
+from ..errors import TraceError
 from .trace import Node, TracedMod
 
 SCORE = sympy.Symbol("score", real=True)
@@ -142,6 +143,9 @@ def _as_bool(e):
 
 def relation(op: str, a, b):
     """A comparison in canonical form: ``d >= 0``, ``d > 0``, ``d == 0`` or ``d != 0``."""
+    if a is sympy.nan or b is sympy.nan:
+        # IEEE: every comparison with NaN is false but !=, as in torch (sympy refuses them).
+        return sympy.true if op == "ne" else sympy.false
     d = sympy.expand(_as_number(a) - _as_number(b)) if _linear_ok(a, b) else _as_number(a) - _as_number(b)
     if op in ("le", "lt"):
         d, op = -d, {"le": "ge", "lt": "gt"}[op]
@@ -158,18 +162,103 @@ def _linear_ok(a, b) -> bool:
     return bool(getattr(a, "is_integer", False)) and bool(getattr(b, "is_integer", False))
 
 
+def is_constant(e) -> bool:
+    """Whether ``e`` is a number or a truth value with no free symbol."""
+    return e is sympy.true or e is sympy.false or bool(getattr(e, "is_number", False))
+
+
+def _python_value(e):
+    """A constant sympy expression as the Python number torch would hold (NaN where not real)."""
+    if e is sympy.true or e is sympy.false:
+        return e is sympy.true
+    if e.is_Integer:
+        return int(e)
+    if e is sympy.nan or e is sympy.zoo:
+        return math.nan
+    if e.is_Rational or e.is_Float or e.is_infinite:
+        return float(e)
+    value = complex(sympy.N(e, 30))
+    return value.real if value.imag == 0 else math.nan
+
+
+# How constant sub-expressions are computed: traced op -> torch function on 0-d tensors.
+_FOLD = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "truediv": torch.true_divide,
+         "floordiv": torch.floor_divide, "mod": torch.remainder, "neg": torch.neg,
+         "not": torch.logical_not, "bitnot": torch.bitwise_not, "where": torch.where,
+         "eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge,
+         "shl": torch.bitwise_left_shift, "shr": torch.bitwise_right_shift}
+# These take their operands in the node's dtype (the tracer's: float32 for exp of an
+# index, int32 for abs of a bool; pow with a negative exponent is float32).
+_FOLD_IN_NODE_DTYPE = {"exp": torch.exp, "exp2": torch.exp2, "log": torch.log, "log2": torch.log2,
+                       "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "tanh": torch.tanh,
+                       "sigmoid": torch.sigmoid, "sin": torch.sin, "cos": torch.cos, "pow": torch.pow,
+                       "abs": torch.abs, "sign": torch.sign, "floor": torch.floor, "ceil": torch.ceil,
+                       "tan": torch.tan, "erf": torch.erf, "silu": torch.nn.functional.silu,
+                       "relu": torch.relu, "cast": lambda x: x,
+                       "maxof": lambda *xs: torch.stack(xs).amax(), "minof": lambda *xs: torch.stack(xs).amin()}
+# (on bools, on numbers)
+_FOLD_LOGICAL = {"minimum": (torch.logical_and, torch.minimum), "maximum": (torch.logical_or, torch.maximum),
+                 "and": (torch.logical_and, torch.bitwise_and), "or": (torch.logical_or, torch.bitwise_or),
+                 "xor": (torch.logical_xor, torch.bitwise_xor)}
+
+
+def fold(op: str, dtype: torch.dtype, values: list) -> torch.Tensor:
+    """Traced op ``op`` of 0-d tensors ``values``, as torch computes it, as a 0-d ``dtype`` tensor."""
+    if op in _FOLD_LOGICAL:
+        fn = _FOLD_LOGICAL[op][dtype != torch.bool]
+    elif op in _FOLD_IN_NODE_DTYPE:
+        fn, values = _FOLD_IN_NODE_DTYPE[op], [v.to(dtype) for v in values]
+    else:
+        fn = _FOLD[op]
+    return fn(*values).to(dtype)
+
+
+# Ops whose symbolic result sympy may leave outside the reals (log(-x) = log(x) + I*pi,
+# sqrt(-1 - x**2) = I*sqrt(...), x / 0 = zoo*x): torch gives NaN / inf there instead.
+_MAY_LEAVE_REALS = {"log", "log2", "sqrt", "rsqrt", "pow", "truediv"}
+
+
 class _Converter:
-    """Node graph -> sympy, memoized per node (graphs are DAGs)."""
+    """Node graph -> sympy, memoized per node (graphs are DAGs).
+
+    Constant sub-expressions (every operand a number: ``sin(q_idx - q_idx + 0.3)``,
+    ``log(0 * kv_idx)``) are computed with torch on 0-d tensors of the traced
+    dtypes, never by sympy: sympy's numbers are exact and complex (log(-1) is
+    I*pi, 1/0 is zoo, sin(oo) an interval, and Min / comparisons of them raise),
+    while the kernel and the oracle compute in IEEE floats (NaN, inf) and int32.
+    """
 
     def __init__(self, traced: TracedMod, prefix: str):
         self.prefix = prefix
+        self.traced = traced
         self.buffers = traced.buffers
         self.memo: dict[int, sympy.Basic] = {}
 
     def __call__(self, node: Node):
         if id(node) not in self.memo:
-            self.memo[id(node)] = getattr(self, "op_" + node.op, self.generic)(node, *node.args)
+            self.memo[id(node)] = self._convert(node)
         return self.memo[id(node)]
+
+    def _convert(self, node: Node):
+        children = [a for a in node.args if isinstance(a, Node)]
+        if node.op != "load" and children and all(is_constant(self(c)) for c in children):
+            return self._fold(node, children)
+        e = getattr(self, "op_" + node.op, self.generic)(node, *node.args)
+        if node.op in _MAY_LEAVE_REALS and e.has(sympy.I, sympy.zoo):
+            return sympy.nan          # a real function outside its domain: NaN, as in torch
+        return e
+
+    def _fold(self, node: Node, children):
+        values = [torch.tensor(_python_value(self(c)), dtype=c.dtype) for c in children]
+        try:
+            value = fold(node.op, node.dtype, values).item()
+        except RuntimeError as err:   # torch refuses it too (integer division by zero)
+            raise self.fail(f"{node.op} of the constants {[v.item() for v in values]} fails in torch "
+                            f"({err})", "remove the constant sub-expression") from None
+        return _const(value)
+
+    def fail(self, what: str, fix: str) -> TraceError:
+        return TraceError(f"{self.traced.kind} '{self.traced.name}': {what}. Fix: {fix}")
 
     def generic(self, node, *args):
         # trace.py recorded an op this converter does not know: a flexgen bug.
@@ -192,9 +281,28 @@ class _Converter:
     def op_add(self, node, a, b): return self._num(a) + self._num(b)
     def op_sub(self, node, a, b): return self._num(a) - self._num(b)
     def op_mul(self, node, a, b): return self._num(a) * self._num(b)
-    def op_truediv(self, node, a, b): return self._num(a) / self._num(b)
-    def op_floordiv(self, node, a, b): return sympy.floor(self._num(a) / self._num(b))
-    def op_mod(self, node, a, b): return sympy.Mod(self._num(a), self._num(b))
+
+    def _divisor(self, node, b):
+        """The divisor of ``node``, or None where it is the constant 0 (handled by the caller)."""
+        d = self._num(b)
+        if d.is_zero and node.dtype == torch.int32:
+            # torch raises for an integer division by zero; a kernel has no such error.
+            raise self.fail(f"an integer {'//' if node.op == 'floordiv' else '%'} by a divisor "
+                            "that is always 0", "divide by something that is never 0")
+        return None if d.is_zero else d
+
+    def op_truediv(self, node, a, b):
+        d = self._divisor(node, b)
+        # x / 0 is x * inf in IEEE (inf, -inf, or NaN at x = 0); sympy's x / 0 is zoo.
+        return self._num(a) * sympy.oo if d is None else self._num(a) / d
+
+    def op_floordiv(self, node, a, b):
+        d = self._divisor(node, b)
+        return sympy.floor(self._num(a) * sympy.oo if d is None else self._num(a) / d)
+
+    def op_mod(self, node, a, b):
+        d = self._divisor(node, b)
+        return sympy.nan if d is None else sympy.Mod(self._num(a), d)
     def op_neg(self, node, a): return -self._num(a)
     def op_abs(self, node, a): return sympy.Abs(self._num(a))
     def op_sign(self, node, a): return sympy.sign(self._num(a))
@@ -224,7 +332,10 @@ class _Converter:
     def _minmax(self, numeric, logical, node, a, b):
         if node.dtype == torch.bool:
             return logical(_as_bool(self(a)), _as_bool(self(b)))
-        return numeric(self._num(a), self._num(b))
+        x, y = self._num(a), self._num(b)
+        if x is sympy.nan or y is sympy.nan:
+            return sympy.nan          # torch.minimum / maximum propagate NaN (sympy refuses it)
+        return numeric(x, y)
 
     def op_pow(self, node, a, b):
         return self._num(a) ** self._num(b)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from sympy.printing.str import StrPrinter
 
-from ..codegen.printer import Address, Snippet, print_address, print_joint
+from ..codegen.printer import Address, Snippet, cast, print_address, print_joint
 from ..codegen.spec import BufferSig
 from ..errors import GradientError
 from .expr import INDEX_SYMBOLS, SCORE, NotDifferentiable, derivative, load_applications
@@ -146,9 +146,8 @@ def lower_grad(traced: TracedMod | None, grad_slots: tuple) -> LoweredGrad:
     grad_buffers = tuple(BufferSig(f"sbuf{i}_grad", traced.buffers[i].dim(), "float32")
                          for i in grad_slots)
     hit = LoweredGrad(
-        dq=_Part(Snippet(dq.lines, dq.results[0], dq.kinds[0]), _score_grad(dq, score_grad_expr)),
-        dkdv=_Part(Snippet(dkdv.lines, dkdv.results[0], dkdv.kinds[0]),
-                   _score_grad(dkdv, score_grad_expr)),
+        dq=_Part(dq.snippet(0), _score_grad(dq, score_grad_expr)),
+        dkdv=_Part(dkdv.snippet(0), _score_grad(dkdv, score_grad_expr)),
         score_grad_const=score_grad_expr is None or _const(score_grad_expr),
         scatters=tuple(scatters), grad_buffers=grad_buffers)
     if len(_GRADS) >= 4096:
@@ -164,8 +163,7 @@ def _score_grad(joint, score_grad_expr) -> str | None:
     if _const(score_grad_expr):
         # A number (score * 2 gives 2): a float literal, since a Python int has no .to().
         return repr(float(score_grad_expr))
-    code, kind = joint.results[1], joint.kinds[1]
-    return code if kind == "float" else f"({code}).to(tl.float32)"
+    return cast(joint.results[1], joint.kinds[1], "float")
 
 
 def clear_memos() -> None:

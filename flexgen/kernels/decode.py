@@ -80,8 +80,8 @@ def visit_lists(kv_lists, group: int):
     version, so an in-place change is seen), except while a CUDA graph is captured:
     the graph must then hold the computation itself.
     """
-    capturing = kv_lists[0].is_cuda and torch.cuda.is_current_stream_capturing()
-    key = None if capturing else (tuple((id(t), t._version) for t in kv_lists), group)
+    key = (None if not launch.may_cache(kv_lists[0].device)
+           else (tuple((id(t), t._version) for t in kv_lists), group))
     hit = None if key is None else _VISITS.get(key)
     if hit is not None and all(a is b for a, b in zip(hit[0], kv_lists)):
         return hit[1]
@@ -203,7 +203,9 @@ def constant(value: int, device) -> torch.Tensor:
     if t is None:
         if len(_CONSTANTS) > 4096:
             _CONSTANTS.clear()
-        t = _CONSTANTS[key] = torch.tensor([value], dtype=torch.int32, device=device)
+        t = torch.tensor([value], dtype=torch.int32, device=device)
+        if launch.may_cache(device):
+            _CONSTANTS[key] = t
     return t
 
 

@@ -90,7 +90,8 @@ def replay_key(score_buffers, mask_buffers, block_lists, *extra) -> tuple:
     """What a launch passes besides its leading tensors and what the plan fixes (shapes,
     strides, dtypes, scale): which captured tensors and block lists it reads. A plan serves
     every call of those shapes (a new document mask has the same shapes), so a replay is
-    only right for the very same tensors; the Replay holds them, so their ids stay theirs."""
+    only right for the very same tensors; the Replay holds them weakly and declines once one
+    is gone (another tensor may then have its id)."""
     return (*map(id, score_buffers), None, *map(id, mask_buffers), None, *map(id, block_lists[:4]),
             *extra)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..codegen.spec import KernelSpec
+from ..frontend.bounds_check import check_call_indices
 from ..frontend.lowering import buffer_map, lower
 from ..frontend.trace import TracedMod
 from ..runtime import launch
@@ -164,5 +165,6 @@ def build(mask_buffers, mask_mod: str, B: int, H: int, Q_LEN: int, KV_LEN: int, 
     traced = TracedMod.from_graph(mask_mod, mask_buffers)
     check_buffers(traced, device, like="the mask")
     lowered = lower(traced)
+    check_call_indices(None, traced, B, H, Q_LEN, KV_LEN)    # as torch's indexing would raise
     hit = block_hits(lowered, traced, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device)
     return fill_lists(hit)

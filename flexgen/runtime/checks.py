@@ -34,6 +34,10 @@ def check_tensor(name, t, layout="[B, H, L, D]"):
 
 def check_heads(Hq: int, Hkv: int, enable_gqa: bool) -> None:
     """Query heads equal the key/value heads, or are a multiple of them with enable_gqa."""
+    if Hq < 1 or Hkv < 1:
+        # The kernels divide by the head counts (torch's flex_attention fails on 0 heads too).
+        raise expected("query / key heads (dim 1)", "at least 1 head each", f"query {Hq}, key/value {Hkv}",
+                       "skip the attention call when there are no heads (its output would be empty)")
     if Hq != Hkv:
         if not enable_gqa:
             raise expected("enable_gqa", f"True when query has {Hq} heads and key/value {Hkv}",

@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import threading
 
+import weakref
+
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -120,7 +122,12 @@ class Replay:
         self.kernel, self.device_index, self.n = kernel, device_index, n
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.classes = _arg_classes(args[:n])
-        self.rest = tuple(args[n:]) + tail
+        # The other tensors (captured tensors, block lists) held weakly: a Replay kept in a
+        # plan must not keep them alive (a CUDA graph's pool refuses tensors that outlive
+        # its outputs, and a user's freed mask should be freed). Triton reads each pointer
+        # through data_ptr() at launch, so a tensor given new storage is still followed.
+        self.rest = tuple(_Weak(a) if isinstance(a, torch.Tensor) else a for a in args[n:]) + tail
+        self.weak = tuple(a.ref for a in self.rest if type(a) is _Weak)
 
     def __call__(self, *tensors) -> bool:
         return _arg_classes(tensors) == self.classes and self.launch(*tensors)
@@ -132,10 +139,38 @@ class Replay:
         path must run instead."""
         if RECORDED is not None or _current_device() != self.device_index or not _hooks_idle():
             return False
+        for ref in self.weak:
+            if ref() is None:
+                return False
         kernel, (g0, g1, g2) = self.kernel, self.grid
         kernel.run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(self.device_index),
                    kernel.function, kernel.packed_metadata, None, None, None, *tensors, *self.rest)
         return True
+
+
+def may_cache(device: torch.device) -> bool:
+    """Whether a tensor made now on ``device`` may be kept in a module-level cache.
+
+    Not while torch.compile's CUDA graphs (mode="reduce-overhead") warm up or capture:
+    both run on the graph manager's own stream, whose allocations belong to the graph's
+    memory pool, and a tensor that outlives the graph's outputs there is refused
+    ("tensors in the cudagraph pool not tracked as outputs"). Off the default stream
+    nothing is cached: such a call makes its small tensors again.
+    """
+    device = torch.device(device)
+    return device.type != "cuda" or torch.cuda.current_stream(device) == torch.cuda.default_stream(device)
+
+
+class _Weak:
+    """A kernel's tensor argument held by a weak reference: Triton's launcher takes any
+    object with ``data_ptr()``."""
+    __slots__ = ("ref",)
+
+    def __init__(self, t: torch.Tensor):
+        self.ref = weakref.ref(t)
+
+    def data_ptr(self) -> int:
+        return self.ref().data_ptr()
 
 
 # spec key -> the smaller spec that fits: a mod that keeps more tiles live (a

@@ -25,6 +25,7 @@ import torch
 
 from ..codegen.spec import KernelSpec, dot_precision, kernel_spec, mod_fields
 from ..errors import expected
+from ..frontend.bounds_check import check_call_indices
 from ..frontend.lowering import lower
 from ..frontend.trace import TracedMod
 from ..kernels.decode import decode_geometry, deep_stages, next_pow2
@@ -141,9 +142,6 @@ def check_qkv(query, key, value, enable_gqa, block_batch: int | None) -> None:
     if key.shape[3] != D:
         raise expected("key.shape[-1]", f"the query's head dim {D}", key.shape[3],
                        "query and key need the same head dim (value's may differ)")
-    if B == 0 or Hq == 0 or key.shape[1] == 0:
-        raise expected("query/key", "at least one batch row and one head", f"query {list(query.shape)}, "
-                       f"key {list(key.shape)}", "skip the call for empty inputs")
     check_heads(Hq, key.shape[1], enable_gqa)
 
 
@@ -273,13 +271,16 @@ def _plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_
         if traced is not None:
             check_captured(traced, device)
     check_mask(info, mask, B, Hq, Lq, Lkv)
+    # Captured tensors indexed outside their bounds raise, as torch's indexing would.
+    check_call_indices(score_traced, mask_traced, B, Hq, Lq, Lkv)
     if info is not None and mask_traced is None:
         raise expected("block_mask", "a mask with its mask_mod", "lists without a mask_mod",
                        "build it with create_block_mask (or give BlockMask.mask_mod)")
     plan = AttentionPlan("forward", B, Hq, Hkv, Lq, Lkv, D, Dv, dtype, device, scale, score,
                          None if mask is None or mask.is_true else mask, score_traced, info, opts,
                          out_strides=out_strides(query, Dv))
-    few = Lq <= MAX_DECODE_QUERIES and not want_max
+    # (An empty batch or query takes the forward kernel, which launches nothing for it.)
+    few = 0 < Lq <= MAX_DECODE_QUERIES and B > 0 and not want_max
     plan.use_tma = _use_tma(opts, B, Hq, Lq, Lkv, dtype, device) and _tma_shapes_ok(query, key, value)
     if opts.BACKEND == "gluon":
         gluon, why = _gluon_spec(query, key, value, score, mask, info, opts)
@@ -443,9 +444,9 @@ def plan_decode(query, key, value, score_traced, mask_traced, info, enable_gqa, 
     if Dk != D:
         raise expected("key.shape[-1]", f"the query's head dim {D}", Dk,
                        "query and key need the same head dim (value's may differ)")
-    if B == 0 or Hq == 0 or Hkv == 0:
-        raise expected("query/key", "at least one batch row and one head",
-                       f"query {list(query.shape)}, key {list(key.shape)}", "skip the call for empty inputs")
+    if B == 0:
+        raise expected("query/key", "at least one batch row", f"query {list(query.shape)}, "
+                       f"key {list(key.shape)}", "skip the call for an empty batch")
     check_heads(Hq, Hkv, enable_gqa)
     memo = (tuple(query.shape), query.dtype, device, tuple(key.shape), tuple(value.shape), paged,
             None if page_table_shape is None else tuple(page_table_shape),

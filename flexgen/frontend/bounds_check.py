@@ -1,0 +1,310 @@
+"""Indices of captured tensors checked on the host, like torch's indexing checks them.
+
+torch raises ``IndexError`` when a mod reads ``bias[q_idx]`` with a ``bias``
+shorter than the sequence; a kernel's load is masked instead and reads 0 past
+the end, silently. Where an index depends only on positions (``b``, ``h``,
+``q_idx``, ``kv_idx``), its range over a call is known before launch: interval
+bounds over the call's ranges (``b`` in [0, B), ``h`` in [0, H), ``q_idx`` in
+[0, Q_LEN), ``kv_idx`` in [0, KV_LEN)) say it is in bounds, or else the index is
+evaluated exactly at the corners of those ranges, and a corner that lands
+outside ``[-size, size)`` (negative indices wrap, as in torch) raises
+``IndexBoundsError`` naming the mod, the tensor, its shape and the index's range.
+Interval bounds over-estimate (``q * kv // (kv + 1)``), so only an exact value
+at a real position is reported: never an error torch would not raise.
+
+Indices that depend on loaded data (``bias[doc[q_idx]]``) or on the score cannot
+be checked here without reading the tensors (a device sync): ``FLEXGEN_DEBUG=1``
+makes the kernels check those reads on the device (``flexgen.codegen.debug``).
+
+Pure functions of (lowered mod, buffer shapes, ranges), memoized: a repeated
+call costs a dict lookup, and mods without captured tensors return at once.
+"""
+from __future__ import annotations
+
+import math
+
+import sympy
+import torch
+
+from ..errors import InputError
+from ..frontend.expr import INDEX_SYMBOLS, is_load
+from ..frontend.lowering import lower
+
+# A range of one position variable: n (for [0, n)), a half-open (lo, hi), or None (unknown:
+# an index that depends on it is not checked).
+_NAMES = ("b", "h", "q_idx", "kv_idx")
+_SYMBOLS = tuple(INDEX_SYMBOLS[n] for n in _NAMES)
+
+
+class IndexBoundsError(InputError, IndexError):
+    """A mod indexes a captured tensor outside its bounds (torch raises IndexError there)."""
+
+
+def check_call_indices(score_traced, mask_traced, B, H, Q_LEN, KV_LEN) -> None:
+    """Check the captured-tensor indices of a call's score_mod and mask_mod (either may be None).
+
+    ``B``, ``H``, ``Q_LEN``, ``KV_LEN``: the ranges of ``b``, ``h``, ``q_idx``, ``kv_idx``
+    over the call, each ``n`` (for [0, n)), a half-open ``(lo, hi)``, or None when unknown.
+    Raises ``IndexBoundsError`` for an index that leaves its tensor at some position.
+    """
+    for traced in (score_traced, mask_traced):
+        if traced is not None and traced.buffers:
+            check_indices(lower(traced), traced.kind, traced.name,
+                          tuple(tuple(t.shape) for t in traced.buffers), B, H, Q_LEN, KV_LEN)
+
+
+# (id(lowered), kind, name, shapes, ranges) -> (lowered, error message or None). Keyed by
+# identity, not by the LoweredMod's hash (a walk over its snippet), since it runs per decode
+# step; the entry holds the object, so its id is not reused while the entry exists.
+_CHECKED: dict = {}
+_CHECKED_MAX = 4096
+
+
+def check_indices(lowered, kind: str, name: str, shapes: tuple, B, H, Q_LEN, KV_LEN) -> None:
+    """``check_call_indices`` for one lowered mod (``kind`` / ``name`` for the message) whose
+    captured tensors have ``shapes``. Memoized; raises ``IndexBoundsError``."""
+    ranges = tuple(_half_open(r) for r in (B, H, Q_LEN, KV_LEN))
+    if any(r is not None and r[0] >= r[1] for r in ranges):
+        return                          # no position at all (a zero length, batch or head count)
+    indices, used = _indices(lowered)
+    # The memo sees only the ranges the indices read: a decode step's new length does not
+    # miss it for a mod that indexes by head (ALiBi slopes).
+    key = (id(lowered), kind, name, shapes, tuple(r if n in used else None for n, r in zip(_NAMES, ranges)))
+    hit = _CHECKED.get(key)
+    if hit is None or hit[0] is not lowered:
+        if len(_CHECKED) >= _CHECKED_MAX:
+            _CHECKED.clear()
+        hit = _CHECKED[key] = (lowered, _error(indices, kind, name, shapes, dict(zip(_SYMBOLS, key[-1]))))
+    if hit[1] is not None:
+        raise IndexBoundsError(hit[1])
+
+
+_INDICES: dict = {}          # id(lowered) -> (lowered, its checkable indices, the names they read)
+
+
+def _indices(lowered) -> tuple:
+    """((slot, dim, index, its position symbols) of each index of a captured tensor that depends
+    on positions only, the position names they read): what the host can check, walked once."""
+    hit = _INDICES.get(id(lowered))
+    if hit is None or hit[0] is not lowered:
+        found = []
+        loads = sorted((f for f in lowered.expr.atoms(sympy.Function) if is_load(f) and f.args),
+                       key=sympy.default_sort_key)
+        for load in loads:
+            slot = int(load.func.__name__[4:])           # "sbuf3" / "mbuf3"
+            for dim, index in enumerate(load.args):
+                free = tuple(sorted(index.free_symbols, key=str))
+                # The score or loaded data in an index: known only on the device.
+                data = any(is_load(f) for f in index.atoms(sympy.Function))
+                if all(s in _SYMBOLS for s in free) and not data:
+                    found.append((slot, dim, index, free))
+        used = frozenset(s.name for *_, free in found for s in free)
+        hit = _INDICES[id(lowered)] = (lowered, tuple(found), used)
+    return hit[1:]
+
+
+def index_variables(lowered) -> frozenset:
+    """The position names (b, h, q_idx, kv_idx) that the host-checkable indices of ``lowered`` read."""
+    return _indices(lowered)[1]
+
+
+def _error(indices, kind: str, name: str, shapes: tuple, ranges: dict) -> str | None:
+    """The message for the first index that leaves its tensor, or None."""
+    for slot, dim, index, free in indices:
+        size = shapes[slot][dim]
+        where = _out_of_bounds(index, free, size, ranges)
+        if where:
+            return (f"{kind} '{name}': captured tensor {slot} (shape {list(shapes[slot])}) is indexed "
+                    f"out of bounds along dim {dim}: the index `{index}` {where}, but that dim has "
+                    f"{size} entries (valid indices {-size}..{size - 1}; torch raises IndexError here). "
+                    f"Fix: give the tensor more entries along dim {dim}, or clamp the index "
+                    f"(torch.clamp(index, 0, {size - 1}))")
+    return None
+
+
+def _half_open(r):
+    if r is None:
+        return None
+    return (0, int(r)) if isinstance(r, int) else (int(r[0]), int(r[1]))
+
+
+def _out_of_bounds(index, free, size: int, ranges: dict) -> str | None:
+    """A phrase saying where ``index`` (over position symbols ``free``) leaves [-size, size), or
+    None when it does not (or where a range it reads is unknown)."""
+    if index.is_Integer:
+        i = int(index)
+        return None if -size <= i < size else f"is {i}"
+    if any(ranges[s] is None for s in free):
+        return None
+    lo, hi = _Interval(ranges)(index)
+    if -size <= lo and hi < size:
+        return None
+    # Bounds over-estimate: confirm with exact values at real positions, the corners.
+    values = []
+    for corner in _corners(free, ranges):
+        value = index.xreplace(corner)
+        if value.is_Integer:
+            values.append(int(value))
+    bad = [v for v in values if not -size <= v < size]
+    if not bad:
+        return None
+    where = ", ".join(f"{s} in [{ranges[s][0]}, {ranges[s][1]})" for s in free)
+    return f"takes values from {min(values)} to {max(values)} for {where}"
+
+
+def _corners(free, ranges) -> list:
+    """Every combination of the first and last position of each free variable."""
+    corners = [{}]
+    for s in free:
+        lo, hi = ranges[s]
+        corners = [{**c, s: sympy.Integer(v)} for c in corners for v in sorted({lo, hi - 1})]
+    return corners
+
+
+class _Interval:
+    """Interval bounds (lo, hi), inclusive floats, of an expression over position ranges."""
+
+    def __init__(self, ranges: dict):
+        self.ranges = ranges
+
+    def __call__(self, e):
+        if e.is_Number:
+            v = float(e)
+            return (v, v) if not math.isnan(v) else _UNKNOWN
+        if e in self.ranges:
+            lo, hi = self.ranges[e]
+            return float(lo), float(hi - 1)
+        method = getattr(self, "_" + type(e).__name__, None)
+        return method(e) if method is not None else _UNKNOWN
+
+    def _Add(self, e):
+        bounds = [self(a) for a in e.args]
+        return sum(b[0] for b in bounds), sum(b[1] for b in bounds)
+
+    def _Mul(self, e):
+        lo, hi = self(e.args[0])
+        for a in e.args[1:]:
+            l2, h2 = self(a)
+            products = [_mul(x, y) for x in (lo, hi) for y in (l2, h2)]
+            lo, hi = min(products), max(products)
+        return lo, hi
+
+    def _Pow(self, e):
+        base, exp = e.args
+        if not (exp.is_Integer and exp > 0):
+            return _UNKNOWN
+        lo, hi = self(base)
+        n = int(exp)
+        ends = (lo ** n, hi ** n)
+        if n % 2 == 0 and lo < 0 < hi:
+            return 0.0, max(ends)
+        return min(ends), max(ends)
+
+    def _floor(self, e):
+        lo, hi = self(e.args[0])
+        return math.floor(lo) if math.isfinite(lo) else lo, math.floor(hi) if math.isfinite(hi) else hi
+
+    def _ceiling(self, e):
+        lo, hi = self(e.args[0])
+        return math.ceil(lo) if math.isfinite(lo) else lo, math.ceil(hi) if math.isfinite(hi) else hi
+
+    def _Trunc(self, e):
+        lo, hi = self(e.args[0])
+        return (math.trunc(lo) if math.isfinite(lo) else lo, math.trunc(hi) if math.isfinite(hi) else hi)
+
+    def _Mod(self, e):
+        a, m = e.args
+        if not (m.is_Number and m > 0):
+            return _UNKNOWN
+        m = float(m)
+        lo, hi = self(a)
+        if math.isfinite(lo) and math.isfinite(hi) and math.floor(lo / m) == math.floor(hi / m):
+            shift = math.floor(lo / m) * m
+            return lo - shift, hi - shift
+        return 0.0, m - 1 if e.is_integer else m
+
+    def _Abs(self, e):
+        lo, hi = self(e.args[0])
+        if lo >= 0:
+            return lo, hi
+        if hi <= 0:
+            return -hi, -lo
+        return 0.0, max(-lo, hi)
+
+    def _Min(self, e):
+        bounds = [self(a) for a in e.args]
+        return min(b[0] for b in bounds), min(b[1] for b in bounds)
+
+    def _Max(self, e):
+        bounds = [self(a) for a in e.args]
+        return max(b[0] for b in bounds), max(b[1] for b in bounds)
+
+    def _Piecewise(self, e):
+        # Either branch may be taken (conditions are not narrowed): their union.
+        bounds = [self(piece.expr) for piece in e.args]
+        return min(b[0] for b in bounds), max(b[1] for b in bounds)
+
+
+_UNKNOWN = (-math.inf, math.inf)
+
+
+def _mul(x: float, y: float) -> float:
+    # 0 * inf is 0 here: a bound of 0 is exact, an infinite one only says "unknown".
+    return 0.0 if x == 0 or y == 0 else x * y
+
+
+def check_decode_indices(score_traced, mask_traced, query_shape, q_offsets, host_q_lengths,
+                         host_kv_lengths, kv_max, capacity: int) -> None:
+    """``check_call_indices`` for a decode call, whose sequences differ in their positions.
+
+    Decode steps come one after the other with new lengths, so the first check is
+    one that does not change with them: every position of the cache (``q_idx``
+    and ``kv_idx`` in [0, ``capacity``), memoized), which passes for tensors
+    sized to the cache. Where it does not, the call's own positions decide:
+    the corners of a box around all sequences need not be real positions, so
+    real sequences are checked, those that reach furthest (the longest, the one
+    whose queries end last, the one whose queries start first). Queries without
+    ``q_offsets`` are taken to lie within their sequence (the last ones).
+    ``query_shape`` is (B, H, Lq); ``host_q_lengths`` / ``host_kv_lengths`` are
+    per-sequence lists or None (the default: every sequence ``Lq`` queries /
+    ``kv_max`` keys; or lengths on the GPU, never read back, as are CUDA
+    ``q_offsets``); ``kv_max`` None: unknown.
+    """
+    if not any(t is not None and t.buffers for t in (score_traced, mask_traced)):
+        return                          # the common case, on every decode step: nothing to check
+    B, H, Lq = query_shape
+    within = q_offsets is None or (isinstance(q_offsets, int) and 0 <= q_offsets <= capacity - Lq)
+    if within:
+        try:
+            check_call_indices(score_traced, mask_traced, B, H, capacity, capacity)
+            return
+        except IndexBoundsError:
+            pass                        # somewhere in the cache: are this call's positions there?
+    for ranges in decode_ranges(query_shape, q_offsets, host_q_lengths, host_kv_lengths, kv_max):
+        check_call_indices(score_traced, mask_traced, *ranges)
+
+
+def decode_ranges(query_shape, q_offsets, host_q_lengths, host_kv_lengths, kv_max) -> list:
+    """The (b, h, q_idx, kv_idx) ranges of the sequences ``check_decode_indices`` checks."""
+    B, H, Lq = query_shape
+    kv = host_kv_lengths if host_kv_lengths is not None else None if kv_max is None else [kv_max] * B
+    if not kv:
+        return [(B, H, None, None)]
+    q_lens = host_q_lengths or [Lq] * B
+    if q_offsets is None:
+        starts = [n - m for n, m in zip(kv, q_lens)]
+    elif isinstance(q_offsets, int):
+        starts = [q_offsets] * B
+    elif isinstance(q_offsets, torch.Tensor) and q_offsets.device.type == "cuda":
+        starts = None                   # not read back (no sync)
+    else:
+        values = [int(x) for x in (q_offsets.reshape(-1).tolist() if isinstance(q_offsets, torch.Tensor)
+                                   else q_offsets)]
+        starts = values * B if len(values) == 1 else values
+    if starts is None:
+        picks = [max(range(B), key=kv.__getitem__)]
+    else:
+        picks = [max(range(B), key=kv.__getitem__), max(range(B), key=lambda b: starts[b] + q_lens[b]),
+                 min(range(B), key=starts.__getitem__)]
+    return [((b, b + 1), H, None if starts is None else (starts[b], starts[b] + q_lens[b]), kv[b])
+            for b in dict.fromkeys(picks)]

@@ -1,0 +1,271 @@
+"""Regressions in generated code: ordinary mods that crashed a kernel (issue 15).
+
+Each test is named for the failure class it pins down and runs the kernels
+involved (forward, both backward kernels, decode, the block-mask kernel)
+through the interpreter against the float64 oracle; the conftest compiles each
+for sm_90, where the same code failed too. Lengths 128 / 256 fill their sparse
+blocks (the kernels drop their bounds checks there: EVEN / EVEN_KV); 40 does not.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import sympy
+import torch
+
+import flexgen
+import flexgen.masks.mask_eval
+from flexgen import create_block_mask, flex_attention
+from flexgen.codegen.printer import cast, print_joint, print_snippet
+from flexgen.frontend.expr import SCORE, derivative
+from flexgen import decode_attention
+from flexgen.reference import flex_attention_reference
+from conftest import check, run_and_check
+
+OPTIONS = {"BLOCK_M": 32, "BLOCK_N": 32}
+
+
+def _grid(*shape, generator):
+    """Multiples of 1/4 in [-1, 1]: scores exact in float32, so no clamp or floor ties differ."""
+    return torch.randint(-4, 5, shape, generator=generator) / 4
+
+
+def _check_gradients(score_mod, L, Lkv=None, mask_mod=None, block_size=32, tol=2e-5):
+    """Forward and backward of ``flex_attention`` match torch autograd through the oracle."""
+    g = torch.Generator().manual_seed(L)
+    Lkv = Lkv or L
+    q, k = _grid(1, 2, L, 32, generator=g), _grid(1, 2, Lkv, 32, generator=g)
+    v = torch.randn(1, 2, Lkv, 32, generator=g)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    mask = None if mask_mod is None else create_block_mask(mask_mod, 1, 2, L, Lkv, device="cpu",
+                                                           BLOCK_SIZE=block_size)
+    out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, return_lse=True,
+                              kernel_options=OPTIONS)
+    ref, ref_lse = flex_attention_reference(q, k, v, score_mod, mask_mod, return_lse=True)
+    check(out.detach(), ref.detach(), torch.float32, lse.detach(), ref_lse.detach())
+    d_out = torch.randn(out.shape, generator=g)
+    got = torch.autograd.grad((out * d_out).sum(), (q, k, v), allow_unused=True)
+    want = torch.autograd.grad((ref * d_out.double()).sum(), (q, k, v), allow_unused=True)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        b = torch.zeros(a.shape, dtype=torch.float64) if b is None else b
+        assert not a.isnan().any(), f"{name}: NaN"
+        err = (a.double() - b).abs().max().item()
+        assert err <= tol * max(b.abs().max().item(), 1.0), f"{name}: max error {err:.3g}"
+
+
+# --- d score_mod / d score folds to a whole number: `(-1).to(tl.float32)` -------------------
+
+def _times_two(score, b, h, q_idx, kv_idx):
+    return score * 2
+
+
+def _negated(score, b, h, q_idx, kv_idx):
+    return -score
+
+
+def _doubled(score, b, h, q_idx, kv_idx):
+    return score + score
+
+
+def _doubled_with_bias(score, b, h, q_idx, kv_idx):
+    return 2 * score + (q_idx - kv_idx) * 0.1
+
+
+@pytest.mark.parametrize("L", [40, 128])
+def test_backward_integer_derivative_score_times_two(L):
+    _check_gradients(_times_two, L)
+
+
+@pytest.mark.parametrize("L", [40, 128])
+def test_backward_integer_derivative_negated_score(L):
+    _check_gradients(_negated, L)
+
+
+def test_backward_integer_derivative_score_plus_score():
+    _check_gradients(_doubled, 45)
+
+
+def test_backward_integer_derivative_with_position_bias():
+    _check_gradients(_doubled_with_bias, 45)
+
+
+def test_forward_literal_over_index_expression():
+    """1.28 / (|kv_idx| + 1): the numerator printed as `(1).to(tl.float32)` in the forward."""
+    def reciprocal_floor(score, b, h, q_idx, kv_idx):
+        return torch.maximum(score, 1.28 / (torch.abs(kv_idx) + 1))
+
+    q, k, v = (torch.randn(1, 2, 40, 32) for _ in range(3))
+    run_and_check(q, k, v, reciprocal_floor, kernel_options=OPTIONS)
+    _check_gradients(reciprocal_floor, 40)
+
+
+LITERAL_METHOD_CALL = re.compile(r"(?<![\w.\])])\(?-?(\d+\.?\d*(e-?\d+)?|True|False)\)\.to\(")
+
+
+@pytest.mark.parametrize("expr", [
+    2 * SCORE, -SCORE, sympy.Integer(-1), sympy.Rational(32, 25) / (sympy.Symbol("kv_idx") + 1),
+    sympy.Max(SCORE, sympy.Rational(32, 25) / (sympy.Symbol("kv_idx", integer=True) + 1)),
+    sympy.true, sympy.Integer(3) * sympy.Rational(1, 10),
+], ids=str)
+def test_printer_never_calls_a_method_on_a_literal(expr):
+    """No `(2).to(...)`: Triton has no methods on Python numbers (nor on constexprs)."""
+    snippet = print_snippet(expr, "t_")
+    d = derivative(expr, SCORE) if not isinstance(expr, sympy.logic.boolalg.Boolean) else sympy.Integer(0)
+    joint = print_joint([expr, d], "j_")
+    codes = [*snippet.lines, snippet.result, *joint.lines, *joint.results,
+             *(cast(r, k, "float") for r, k in zip(joint.results, joint.kinds)),
+             *(cast(r, k, "int") for r, k in zip(joint.results, joint.kinds))]
+    for code in codes:
+        assert not LITERAL_METHOD_CALL.search(code), code
+
+
+# --- mods constant along kv, with lengths that fill their blocks (EVEN) ------------------------
+
+def _constant(score, b, h, q_idx, kv_idx):
+    return score * 0 + 1.0
+
+
+def _by_query(score, b, h, q_idx, kv_idx):
+    return q_idx * 0.1
+
+
+def _by_head(score, b, h, q_idx, kv_idx):
+    return h * 0.1
+
+
+def _pinned(score, b, h, q_idx, kv_idx):
+    return torch.clamp(score, 0.3, 0.3)
+
+
+CONSTANT_ALONG_KV = [_constant, _by_query, _by_head, _pinned]
+
+
+@pytest.mark.parametrize("L", [40, 128, 256])
+@pytest.mark.parametrize("mod", CONSTANT_ALONG_KV, ids=lambda m: m.__name__.strip("_"))
+def test_forward_score_mod_constant_along_kv(mod, L):
+    q, k, v = (torch.randn(1, 2, L, 32) for _ in range(3))
+    run_and_check(q, k, v, mod, kernel_options=OPTIONS)
+
+
+@pytest.mark.parametrize("L", [40, 128])
+@pytest.mark.parametrize("mod", CONSTANT_ALONG_KV, ids=lambda m: m.__name__.strip("_"))
+def test_backward_score_mod_constant_along_kv(mod, L):
+    _check_gradients(mod, L)
+
+
+@pytest.mark.parametrize("mod", CONSTANT_ALONG_KV, ids=lambda m: m.__name__.strip("_"))
+def test_decode_score_mod_constant_along_kv(mod):
+    q, k, v = (torch.randn(2, 2, n, 32) for n in (3, 128, 128))
+    out, lse = decode_attention(q, k, v, score_mod=mod, return_lse=True, q_offsets=0)
+    ref, ref_lse = flex_attention_reference(q, k, v, mod, return_lse=True)
+    check(out, ref, torch.float32, lse, ref_lse)
+
+
+def _even_queries(b, h, q_idx, kv_idx):
+    return q_idx % 2 == 0
+
+
+def _early_keys(b, h, q_idx, kv_idx):
+    return kv_idx % 3 != 1
+
+
+def _first_head(b, h, q_idx, kv_idx):
+    return h == 0
+
+
+def _always(b, h, q_idx, kv_idx):
+    return q_idx >= 0
+
+
+MASKS = [_even_queries, _early_keys, _first_head, _always]
+
+
+@pytest.mark.parametrize("L", [40, 128])
+@pytest.mark.parametrize("mask_mod", MASKS, ids=lambda m: m.__name__.strip("_"))
+def test_masks_constant_along_an_axis_forward_and_backward(mask_mod, L):
+    _check_gradients(_by_query, L, mask_mod=mask_mod)
+    _check_gradients(None, L, mask_mod=mask_mod, block_size=64)
+
+
+@pytest.mark.parametrize("mask_mod", MASKS, ids=lambda m: m.__name__.strip("_"))
+def test_decode_masks_constant_along_an_axis(mask_mod):
+    q, k, v = (torch.randn(2, 2, n, 32) for n in (5, 128, 128))
+    out, lse = decode_attention(q, k, v, score_mod=_by_head, mask_mod=mask_mod, return_lse=True,
+                                q_offsets=0)
+    ref, ref_lse = flex_attention_reference(q, k, v, _by_head, mask_mod, return_lse=True)
+    check(out, ref, torch.float32, lse, ref_lse)
+    mask = create_block_mask(mask_mod, 2, 2, 5, 128, device="cpu", BLOCK_SIZE=32)
+    out, lse = flex_attention(q, k, v, score_mod=_by_head, block_mask=mask, return_lse=True)
+    check(out, ref, torch.float32, lse, ref_lse)
+
+
+@pytest.mark.parametrize("mask_mod", MASKS[:3], ids=lambda m: m.__name__.strip("_"))
+def test_block_mask_kernel_masks_constant_along_an_axis(mask_mod, monkeypatch):
+    """The generated block-mask kernel (not the torch path) classifies such masks exactly."""
+    monkeypatch.setattr(flexgen.masks.mask_eval, "TORCH_MAX_ELEMENTS", -1)
+    mask = create_block_mask(mask_mod, 1, 2, 128, 96, device="cpu", BLOCK_SIZE=32)
+    monkeypatch.undo()
+    want = create_block_mask(mask_mod, 1, 2, 128, 96, device="cpu", BLOCK_SIZE=32)
+    assert torch.equal(mask.block_states(), want.block_states())
+
+
+# --- constant sub-expressions: computed as torch computes them, never by sympy ---------------
+
+CONSTANT_SUBEXPRESSIONS = {
+    "sin_of_cancelled_position": lambda s, b, h, q, kv: s * torch.sin(q - q + 0.3),
+    "max_with_constant_sin": lambda s, b, h, q, kv: torch.maximum(s, torch.sin(q - q + 0.3)),
+    "log_of_negative": lambda s, b, h, q, kv: s + torch.log(q * 0 - 1.0),
+    "max_with_log_of_negative": lambda s, b, h, q, kv: torch.maximum(s, torch.log(q * 0 - 1.0)),
+    "compare_log_of_negative": lambda s, b, h, q, kv: torch.where(torch.log(q * 0 - 1.0) > 0, s, 0.0),
+    "sqrt_of_negative": lambda s, b, h, q, kv: s + torch.sqrt(kv * 0 - 2.0),
+    "power_of_negative": lambda s, b, h, q, kv: s + (kv * 0 - 2.0) ** 0.5,
+    "max_with_log_of_zero": lambda s, b, h, q, kv: torch.maximum(s, torch.log(q * 0.0)),
+    "min_with_rsqrt_of_zero": lambda s, b, h, q, kv: torch.minimum(s, torch.rsqrt(q * 0.0)),
+    "min_with_one_over_zero": lambda s, b, h, q, kv: torch.minimum(s, 1.0 / (q * 0.0)),
+    "tanh_of_score_over_zero": lambda s, b, h, q, kv: torch.tanh(s / (q - q)),
+    "float_remainder_by_zero": lambda s, b, h, q, kv: s + (q * 0.0 + 3.0) % (kv * 0.0),
+    "remainder_by_inf": lambda s, b, h, q, kv: s + (q * 0.0 + 3.0) % float("inf"),
+    "overflow_minus_overflow": lambda s, b, h, q, kv: s + (torch.exp(q * 0 + 100.0)
+                                                           - torch.exp(q * 0 + 100.0)),
+    "sin_of_inf": lambda s, b, h, q, kv: s + torch.sin(q * 0 + float("inf")),
+    "sigmoid_of_minus_inf": lambda s, b, h, q, kv: s + torch.sigmoid(q * 0.0 - float("inf")),
+    "compare_nan": lambda s, b, h, q, kv: torch.where((q * 0 + float("nan")) > 0, s, 1.0),
+    "max_with_nan": lambda s, b, h, q, kv: torch.maximum(s, q * 0 + float("nan")),
+}
+
+
+@pytest.mark.parametrize("name", CONSTANT_SUBEXPRESSIONS)
+def test_constant_subexpressions_fold_like_torch(name):
+    """sympy raised 'not comparable' / 'Cannot convert expression to float' (or printed
+    AccumBounds) on these; they must give what torch gives, NaN and inf included."""
+    mod = CONSTANT_SUBEXPRESSIONS[name]
+    q, k, v = (torch.randn(1, 2, 40, 32) for _ in range(3))
+    out, lse = flex_attention(q, k, v, score_mod=mod, return_lse=True, kernel_options=OPTIONS)
+    ref, ref_lse = flex_attention_reference(q, k, v, mod, return_lse=True)
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4, equal_nan=True)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-4, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", ["sin_of_cancelled_position", "max_with_constant_sin",
+                                  "max_with_log_of_zero", "min_with_rsqrt_of_zero"])
+def test_constant_subexpressions_differentiate(name):
+    _check_gradients(CONSTANT_SUBEXPRESSIONS[name], 40)
+
+
+def test_integer_division_by_constant_zero_is_a_trace_error():
+    """torch raises for an integer // or % by zero; so does flexgen, naming the mod."""
+    def divides_by_zero(score, b, h, q_idx, kv_idx):
+        return score + q_idx // (kv_idx - kv_idx)
+
+    q = torch.randn(1, 1, 20, 16)
+    with pytest.raises(flexgen.TraceError, match="divides_by_zero.*always 0"):
+        flex_attention(q, q, q, score_mod=divides_by_zero)
+
+
+def test_every_traced_op_folds():
+    """Each op the converter knows has a torch computation for constant operands."""
+    from flexgen.frontend import expr
+    ops = {name[3:] for name in dir(expr._Converter) if name.startswith("op_")} - {"var", "const", "load"}
+    foldable = set(expr._FOLD) | set(expr._FOLD_IN_NODE_DTYPE) | set(expr._FOLD_LOGICAL)
+    assert ops <= foldable, ops - foldable
