@@ -151,13 +151,24 @@ CASES = {
     "alibi_document_gqa_d128": (128, torch.bfloat16, 4, 2, 300, 333, "alibi", "doc", 128),
     "softcap_sliding_d64_kv64": (64, torch.bfloat16, 2, 1, 257, 200, M.tanh_softcap(20.0),
                                  M.sliding_window(100), (128, 64)),
+    # Mods constant along the keys: their results are columns, broadcast to the score tile.
+    "row_only_mods_d64": (64, torch.float16, 2, 2, 300, 300, "row_bias", "first_rows", 128),
 }
+
+
+def row_bias(score, b, h, q_idx, kv_idx):
+    return q_idx * 0.01 + h
+
+
+def first_rows(b, h, q_idx, kv_idx):
+    return q_idx < 250
 
 
 def case_inputs(name, device="cpu"):
     D, dtype, H, Hkv, Lq, Lkv, score, mask, block = CASES[name]
     q, k, v = make_qkv(B=2, H=H, Hkv=Hkv, L=Lq, Lkv=Lkv, D=D, dtype=dtype, device=device)
-    score = alibi_bias(H, device) if score == "alibi" else score
+    score = alibi_bias(H, device) if score == "alibi" else row_bias if score == "row_bias" else score
+    mask = first_rows if mask == "first_rows" else mask
     mask = doc_mask(max(Lq, Lkv), device) if mask == "doc" else mask
     bm = None if mask is None else create_block_mask(mask, None, None, Lq, Lkv, device=device,
                                                      BLOCK_SIZE=block)
@@ -301,3 +312,35 @@ def test_a_gluon_compile_error_under_backend_gluon_says_so(as_if_hopper, monkeyp
     q, k, v = make_qkv(B=1, H=2, L=80, D=64, dtype=torch.bfloat16)
     with pytest.raises(InputError, match="compile error with Triton"):
         flex_attention(q, k, v, kernel_options=GLUON)
+
+
+
+DEBUG_COMPILE = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+import test_forward_gluon as T
+from flexgen.codegen import debug
+assert debug.DEBUG
+T.plan_module.gluon_unavailable = lambda query, D, Dv: None
+T.test_gluon_kernel_compiles_for_sm90(None, "alibi_document_gqa_d128")
+source = T.flexgen.kernel_source(*T.case_inputs("alibi_document_gqa_d128")[:3], enable_gqa=True,
+    score_mod=T.case_inputs("alibi_document_gqa_d128")[3], block_mask=T.case_inputs("alibi_document_gqa_d128")[4],
+    kernel_options=T.GLUON)
+assert "tl.device_assert(" in source and "debug=True" in source
+print("debug ok")
+"""
+
+
+@pytest.mark.skipif(not conftest.AOT_ENABLED, reason="FLEXGEN_TEST_AOT=0")
+def test_gluon_kernel_compiles_in_debug_mode(tmp_path):
+    """FLEXGEN_DEBUG=1 (read at import: a subprocess): the Gluon kernel asserts captured-tensor
+    reads in bounds, as main's kernels do, and still compiles for sm_90."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = dict(os.environ, FLEXGEN_DEBUG="1", FLEXGEN_CACHE_DIR=str(tmp_path / "kernels"))
+    code = DEBUG_COMPILE.format(tests=str(Path(__file__).parent))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=str(tmp_path))
+    assert done.returncode == 0 and "debug ok" in done.stdout, done.stderr[-3000:]
