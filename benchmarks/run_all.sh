@@ -85,13 +85,15 @@ run_step() {
         # flexgen/ there lacks the mods/templates mapping of the installed package.
         gputests) cmd=(bash -c "cd /tmp && FLEXGEN_TEST_AOT=0 '$PY' -m pytest -q -p no:cacheprovider \
                        '$ROOT/tests/test_tuning.py' '$ROOT/tests/test_backward.py' '$ROOT/tests/test_compile.py' \
-                       -k '${GPUTESTS_K:-gpu or tuning}' --tb=short") ;;
+                       '$ROOT/tests/test_forward_gluon.py' \
+                       -k '${GPUTESTS_K:-gpu or tuning or gluon}' --tb=short") ;;
         sanitize) cmd=(bash -c "compute-sanitizer --tool memcheck --error-exitcode 9 '$PY' benchmarks/sanitize.py; \
                        echo memcheck exit \$?; compute-sanitizer --tool racecheck --error-exitcode 9 \
                        '$PY' benchmarks/sanitize.py --only race; echo racecheck exit \$?") ;;
         models)   cmd=("$PY" benchmarks/bench_models.py $SMOKE_ARG --budget "$budget" ${BENCH_MODELS_ARGS:-}) ;;
         nosoftmax) cmd=("$PY" benchmarks/bench_nosoftmax.py $SMOKE_ARG ${BENCH_NOSOFTMAX_ARGS:-}) ;;
-        gluon)    cmd=("$PY" benchmarks/bench_gluon.py $SMOKE_ARG ${BENCH_GLUON_ARGS:-}) ;;
+        gluon)    cmd=("$PY" benchmarks/bench_gluon.py $SMOKE_ARG --budget "$((budget - 60))" \
+                       --json "$OUT/bench_gluon.json" ${BENCH_GLUON_ARGS:-}) ;;
         serving)  cmd=("$PY" benchmarks/bench_serving.py $SMOKE_ARG ${BENCH_SERVING_ARGS:-}) ;;
         forward)  cmd=("$PY" benchmarks/bench_forward.py $SMOKE_ARG --budget "$budget" ${BENCH_FORWARD_ARGS:-}) ;;
         backward) cmd=("$PY" benchmarks/bench_backward.py $SMOKE_ARG --budget "$budget" ${BENCH_BACKWARD_ARGS:-}) ;;

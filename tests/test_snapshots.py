@@ -198,3 +198,30 @@ def test_snapshot_cases_cover_every_mod():
     missing = set(M.__all__) - helpers - names
     assert not missing, f"mods without a snapshot case: {sorted(missing)}"
 
+
+
+def test_gluon_forward_source(snapshot, monkeypatch):
+    """The Gluon forward kernel (sm_90) for an ALiBi score_mod with a captured slope tensor,
+    a document + causal mask_mod and GQA: planned as on a Hopper GPU, rendered on CPU."""
+    from flexgen.runtime import plan as plan_module
+    monkeypatch.setattr(plan_module, "gluon_unavailable", lambda query, D, Dv: None)
+    plan_module.clear_memos()
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 300, 128, dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 333, 128, dtype=torch.bfloat16)
+    slopes = torch.linspace(0.1, 0.8, 4)
+    doc = torch.arange(333) // 97
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+    bm = create_block_mask(document_causal, None, None, 300, 333, device="cpu")
+    try:
+        source = kernel_source(q, k, k, score_mod=alibi, block_mask=bm, enable_gqa=True,
+                               kernel_options={"BACKEND": "gluon"})
+    finally:
+        plan_module.clear_memos()
+    assert "@gluon.jit" in source and "gl.warp_specialize" in source
+    assert normalize(source) == snapshot

@@ -24,7 +24,7 @@ from .snippet import Snippet
 # Full-tile mod results and FLEXGEN_DEBUG's kernel_jit changed forward, backward, decode
 # and block_mask's; the fused RoPE paged_write's, packed mixed steps decode's.)
 SIGMOID_REVISION = 3
-TEMPLATE_VERSIONS = {"forward": 5, "block_mask": 2,
+TEMPLATE_VERSIONS = {"forward": 5, "forward_gluon": 1, "block_mask": 2,
                      "decode": 3, "decode_merge": 1, "paged_write": 2,
                      "backward": 5, "linear": 2, "linear_decode": 1}
 

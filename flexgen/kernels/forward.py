@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from triton.compiler.errors import CompilationError
+
 from ..codegen.spec import tma_addressable
+from ..errors import expected
 from ..runtime import launch, tuning
 from ..runtime.poison import poison
 
@@ -50,12 +53,34 @@ def run_forward(plan, query, key, value, score_buffers, mask_buffers, block_list
         leading, extra = (query, key, value, out, lse, lse if max_scores is None else max_scores), {}
     others = replay_key(score_buffers, mask_buffers, block_lists, *extra.values())
     if not replay(plan, spec, others, leading):
-        launched = launch.run(spec, device, dict(
-            q=query, k=key, v=value, out=out, lse=lse, sparse=sparse, score_buffers=score_buffers,
-            mask_buffers=mask_buffers, scale=plan.scale, max_scores=max_scores, **extra),
-            tune_blocks=plan.tune_blocks, replay=len(leading))
+        inputs = dict(q=query, k=key, v=value, out=out, lse=lse, sparse=sparse,
+                      score_buffers=score_buffers, mask_buffers=mask_buffers, scale=plan.scale,
+                      max_scores=max_scores, **extra)
+        try:
+            launched = launch.run(spec, device, inputs, tune_blocks=plan.tune_blocks,
+                                  replay=len(leading))
+        except CompilationError as err:
+            if spec.template != "forward_gluon":
+                raise
+            spec = _gluon_failed(plan, err)
+            launched = launch.run(spec, device, inputs, replay=len(leading))
         remember(plan, spec, others, launched)
     return out, lse, _placeholder(max_scores, device)
+
+
+def _gluon_failed(plan, err):
+    """The Gluon kernel did not compile with this Triton (its API moves between releases):
+    under BACKEND "gluon" an InputError saying so; under AUTO the plan falls back to the tl
+    kernel for good (returned), so later calls do not try again."""
+    if plan.options.BACKEND == "gluon":
+        import triton
+        raise expected("kernel_options['BACKEND']", "'gluon' where the Gluon kernel compiles",
+                       f"a compile error with Triton {triton.__version__}: {str(err)[-400:]}",
+                       "use BACKEND 'AUTO' or 'tl' (the Triton-language kernel)") from err
+    plan.spec, plan.tl_spec = plan.tl_spec, None
+    plan.tune_blocks = (plan.mask_info.block_size if plan.mask_info is not None else (128, 128))
+    plan.replays.clear()
+    return plan.spec
 
 
 MAX_REPLAYS = 16           # per plan: the other tensors' identities -> Replay

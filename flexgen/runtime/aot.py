@@ -21,6 +21,12 @@ from ..runtime import launch
 from ..codegen import cache
 
 HOPPER = GPUTarget("cuda", 90, 32)
+try:        # Gluon kernels take Gluon's descriptors (which carry a shared-memory layout)
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    _DESCRIPTORS = (TensorDescriptor, GluonDescriptor)
+except ImportError:
+    GluonASTSource, _DESCRIPTORS = None, (TensorDescriptor,)
 
 _TRITON_DTYPES = {
     torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
@@ -32,7 +38,7 @@ _TRITON_DTYPES = {
 def _arg_type(value) -> str:
     if isinstance(value, torch.Tensor):
         return "*" + _TRITON_DTYPES[value.dtype]
-    if isinstance(value, TensorDescriptor):
+    if isinstance(value, _DESCRIPTORS):
         # What Triton's launcher binds a host descriptor as: "tensordesc<bf16[1, 1, 64, 128]>"
         # (its dtype and block shape; shape and strides stay runtime values).
         return mangle_type(value)
@@ -59,7 +65,9 @@ def compile_launch(spec, args, constexprs, target=HOPPER):
                          f"{len(constexprs)} constexprs, the kernel takes {len(names)}")
     signature = {name: _arg_type(a) for name, a in zip(names, args)}
     signature.update({name: "constexpr" for name in constexprs})
-    source = ASTSource(fn=kernel, signature=signature, constexprs=dict(constexprs))
+    gluon = getattr(kernel, "is_gluon", lambda: False)()
+    source = (GluonASTSource if gluon else ASTSource)(fn=kernel, signature=signature,
+                                                     constexprs=dict(constexprs))
     options = {"num_warps": module.NUM_WARPS, "num_stages": getattr(module, "NUM_STAGES", 1)}
     return triton.compile(source, target=target, options=options)
 

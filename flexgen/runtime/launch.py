@@ -20,6 +20,11 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+try:        # the Gluon kernel's descriptors (they also carry the shared layout, fixed by these)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+except ImportError:
+    GluonDescriptor = TensorDescriptor
+
 from ..runtime import tuning
 from ..codegen import cache
 from ..codegen.spec import KernelSpec
@@ -235,7 +240,7 @@ def _arg_classes(args) -> tuple | None:
             classes.append(2)
         elif t is torch.Tensor or isinstance(a, torch.Tensor):
             classes.append((a.dtype, a.data_ptr() % 16 == 0))
-        elif t is TensorDescriptor:
+        elif t is TensorDescriptor or t is GluonDescriptor:
             # Triton specializes a host TMA descriptor on its dtype and block shape only
             # (the launcher encodes base, shape and strides at each launch).
             classes.append((a.base.dtype, tuple(a.block_shape)))

@@ -34,8 +34,10 @@ OPTIONS = {
 }
 # BACKEND values: AUTO picks by shape (the decode kernel for at most 16 queries per
 # sequence, else the forward kernel); TRITON always the forward kernel; TRITON_DECODE
-# always the decode kernel (torch's names). "tl" is AUTO with Triton-language templates.
-BACKENDS = ("AUTO", "TRITON", "TRITON_DECODE", "tl")
+# always the decode kernel (torch's names). "tl" is AUTO with Triton-language templates
+# only; "gluon" always the Gluon forward kernel (sm_90, fp16 / bf16, head dims 64 and 128;
+# anything else is an InputError saying why). AUTO does not pick Gluon (see plan.GLUON_AUTO).
+BACKENDS = ("AUTO", "TRITON", "TRITON_DECODE", "tl", "gluon")
 # torch's options that tune torch's own kernels only: accepted (their values checked as
 # torch types them), no effect here. FORCE_USE_FLEX_ATTENTION=True is BACKEND "TRITON".
 TORCH_ONLY = {
@@ -138,8 +140,8 @@ def parse_options(kernel_options) -> KernelOptions:
             if value not in BACKENDS:
                 raise reported(expected("kernel_options['BACKEND']", f"one of {list(BACKENDS)}",
                                         repr(value), "use 'AUTO' (the default), 'TRITON' or "
-                                        "'TRITON_DECODE'; torch's 'FLASH' is torch's own kernel"))
-            value = "AUTO" if value == "tl" else value
+                                        "'TRITON_DECODE' (or 'tl' / 'gluon'); torch's 'FLASH' is torch's "
+                                        "own kernel"))
         values[name] = value
     return KernelOptions(**values) if values else _DEFAULT
 

@@ -39,6 +39,13 @@ MAX_DECODE_QUERIES = 16          # AUTO's limit on queries per sequence for the 
 # than pointer loads, but its four host descriptors cost ~40 us a call, more than it gains
 # on a short kernel. USE_TMA=True / False decides either way.
 TMA_MIN_SCORES = 2 ** 27
+# AUTO picks the Gluon forward kernel on sm_90 where it can run and the caller set no tiles,
+# for calls of at least GLUON_MIN_SCORES scores (B * Hq * Lq * Lkv): the H100 measured it
+# 1.17-1.32x the tl kernel at 16 heads x 16k tokens and 1.13-1.36x at 8k, but its host path
+# (four Gluon descriptors, ~200 us a call) loses to the tl kernel at 2k and in places at 4k
+# (benchmarks/NOTES.md, "Gluon forward").
+GLUON_AUTO = True
+GLUON_MIN_SCORES = 2 ** 30
 LARGE_SPARSE_BLOCK = 1 << 30     # torch's "no block mask" marker (_create_empty_block_mask)
 _MEMO_MAX = 512
 
@@ -76,6 +83,7 @@ class AttentionPlan:
     options: KernelOptions
     spec: KernelSpec | None = None           # the forward kernel (TMA where chosen)
     pointer_spec: KernelSpec | None = None   # its pointer variant, for inputs TMA cannot address
+    tl_spec: KernelSpec | None = None        # the tl kernel where spec is the Gluon one (AUTO's pick)
     tune_blocks: tuple | None = None         # sparse block sizes the autotuner's tiles divide
     decode: object = None                    # DecodePlan for the decode kernel
     out_strides: tuple = ()                  # the output keeps the query's stride order
@@ -276,7 +284,12 @@ def _plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_
     # (An empty batch or query takes the forward kernel, which launches nothing for it.)
     few = 0 < Lq <= MAX_DECODE_QUERIES and B > 0 and not want_max
     plan.use_tma = _use_tma(opts, B, Hq, Lq, Lkv, dtype, device) and _tma_shapes_ok(query, key, value)
-    if opts.BACKEND == "TRITON_DECODE" or (opts.BACKEND == "AUTO" and few):
+    if opts.BACKEND == "gluon":
+        gluon, why = _gluon_spec(query, key, value, score, mask, info, opts)
+        if why is not None:
+            raise expected("kernel_options['BACKEND']", "'gluon' only where the Gluon kernel runs",
+                           why, "use BACKEND 'AUTO' or 'tl' (the Triton-language kernel)")
+    if opts.BACKEND == "TRITON_DECODE" or (opts.BACKEND in ("AUTO", "tl") and few):
         if want_max:
             raise expected("kernel_options['BACKEND']", "'AUTO' or 'TRITON' with return_aux max_scores",
                            "'TRITON_DECODE'", "the decode kernel does not write max scores")
@@ -299,7 +312,75 @@ def _plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_
     plan.spec = spec(use_tma)
     plan.pointer_spec = spec(False) if use_tma else plan.spec
     plan.tune_blocks = None if opts.sets_tiles else (sparse_q, sparse_kv)
+    if (opts.BACKEND == "AUTO" and GLUON_AUTO and not opts.sets_tiles
+            and B * Hq * Lq * Lkv >= GLUON_MIN_SCORES):
+        gluon, _ = _gluon_spec(query, key, value, score, mask, info, opts)
+    elif opts.BACKEND != "gluon":
+        gluon = None
+    if gluon is not None:
+        # The tl kernel stays at hand: its pointer variant for inputs TMA cannot address at
+        # launch, itself for sigmoid_attention (which the Gluon kernel does not compute).
+        plan.tl_spec, plan.spec = plan.spec, gluon
+        plan.pointer_spec = spec(False)
+        plan.tune_blocks = None      # the tl autotuner's tiles are not the Gluon kernel's
     return plan
+
+
+GLUON_HEAD_DIMS = (64, 128)
+
+
+def gluon_unavailable(query, D: int, Dv: int) -> str | None:
+    """Why the Gluon forward kernel cannot run this call (None where it can): a pure function
+    of the device, dtype, head dims and the installed Triton."""
+    cuda = query.device.type == "cuda"
+    capability = torch.cuda.get_device_capability(query.device) if cuda else None
+    return gluon_refusal(query.device.type, capability, query.dtype, D, Dv)
+
+
+def gluon_refusal(device_type: str, capability, dtype, D: int, Dv: int) -> str | None:
+    """``gluon_unavailable`` on plain values (what the tests drive without a GPU)."""
+    from ..codegen.gluon import gluon_api_missing
+    if device_type != "cuda":
+        return (f"tensors on {device_type} (the Gluon kernel runs on CUDA GPUs only; "
+                "Triton's interpreter does not run Gluon)")
+    if tuple(capability) != (9, 0):
+        return f"a GPU of compute capability {tuple(capability)} (the Gluon kernel is for sm_90, Hopper)"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {dtype} (the Gluon kernel takes float16 / bfloat16)"
+    if D != Dv or D not in GLUON_HEAD_DIMS:
+        return f"head dims qk={D}, v={Dv} (the Gluon kernel takes equal head dims of 64 or 128)"
+    missing = gluon_api_missing()
+    if missing:
+        return f"Triton {triton_version()} whose Gluon API lacks {missing}"
+    return None
+
+
+def triton_version() -> str:
+    import triton
+    return triton.__version__
+
+
+def _gluon_spec(query, key, value, score, mask, info, opts):
+    """(the Gluon forward spec, None) or (None, why it cannot run this call)."""
+    B, Hq, Lq, D = query.shape
+    Dv, dtype = value.shape[3], query.dtype
+    why = gluon_unavailable(query, D, Dv)
+    if why is None and not _tma_shapes_ok(query, key, value):
+        why = "query / key / value layouts TMA cannot step through (make them contiguous)"
+    sparse_q, sparse_kv = info.block_size if info is not None else (128, 128)
+    block_n = opts.BLOCK_N or (128 if sparse_kv % 128 == 0 else 64)
+    if why is None and (opts.BLOCK_M not in (None, 128) or sparse_q % 128):
+        why = (f"BLOCK_M {opts.BLOCK_M} / a block mask's Q_BLOCK {sparse_q} (the Gluon kernel takes "
+               "128 query rows, two warpgroups of 64, inside one sparse block)")
+    if why is None and (block_n not in (64, 128) or sparse_kv % block_n):
+        why = f"BLOCK_N {block_n} with KV_BLOCK {sparse_kv} (the Gluon kernel takes 64 or 128 dividing it)"
+    if why is not None:
+        return None, why
+    # K / V ring depth: what fits beside Q in shared memory (D=128: 2 x 64 KB, D=64: 3 x 32 KB).
+    stages = opts.num_stages or (2 if D == 128 and block_n == 128 else 3)
+    return kernel_spec("forward_gluon", **mod_fields(score, mask), qk_head=D, v_head=Dv,
+                       dtype=DTYPES[dtype], has_block_mask=info is not None, block_m=128,
+                       block_n=block_n, num_warps=4, num_stages=stages, use_tma=True), None
 
 
 # ---------------------------------------------------------------------------------- decode
@@ -594,6 +675,12 @@ def _sigmoid_plans(query, key, value, score_mod, score_buffers, mask_mod, mask_b
     def make():
         base = plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers,
                               block_lists, block_size, mask_lengths, scale, enable_gqa, options)
+        if base.spec is not None and base.spec.template == "forward_gluon":
+            if base.options.BACKEND == "gluon":
+                raise expected("kernel_options['BACKEND']", "'AUTO', 'tl', 'TRITON' or "
+                               "'TRITON_DECODE' for sigmoid_attention", "'gluon'",
+                               "the Gluon kernel is softmax only")
+            base = dataclasses.replace(base, spec=base.tl_spec, tl_spec=None, replays={}, backward={})
         decode = base.decode
         if decode is not None:
             decode = dataclasses.replace(decode, spec=sigmoid_spec(decode.spec),

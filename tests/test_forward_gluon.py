@@ -1,0 +1,346 @@
+"""The Gluon forward kernel (``kernel_options={"BACKEND": "gluon"}``, sm_90).
+
+``templates/forward_gluon.py.jinja`` renders from the forward kernel's spec fields and the
+same printed mod snippets: a TMA producer warp fills a K/V ring guarded by mbarriers, two
+consumer warpgroups (64 query rows each) run async wgmma and the online softmax. Gluon does
+not run in Triton's interpreter, so on CPU this file checks the choice and its refusals, the
+rendered source (a snapshot) and that every variant the tests render compiles for sm_90
+(with the installed Triton: CI runs it on 3.6 and on the newest). The oracle comparisons
+need an sm_90 GPU and are skipped elsewhere.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexgen
+from flexgen import create_block_mask, flex_attention
+from flexgen import mods as M
+from flexgen.codegen import cache
+from flexgen.errors import InputError
+from flexgen.frontend.trace import trace_cached
+from flexgen.kernels.forward import broadcast_lists
+from flexgen.masks.block_mask import mask_inputs
+from flexgen.runtime import aot
+from flexgen.runtime import plan as plan_module
+from flexgen.runtime.options import parse_options
+
+import conftest
+from conftest import make_qkv, run_and_check
+
+GLUON = {"BACKEND": "gluon"}
+ON_HOPPER = (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+             and plan_module.gluon_refusal("cuda", (9, 0), torch.bfloat16, 64, 64) is None)
+needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU and Triton's Gluon")
+
+
+@pytest.fixture
+def as_if_hopper(monkeypatch):
+    """Plan Gluon kernels for CPU tensors (rendering and the sm_90 compile need no GPU)."""
+    monkeypatch.setattr(plan_module, "gluon_unavailable", lambda query, D, Dv: None)
+    plan_module.clear_memos()
+    yield
+    plan_module.clear_memos()
+
+
+# ------------------------------------------------------------------------- the choice
+
+def test_backend_values_are_kept():
+    assert parse_options({"BACKEND": "gluon"}).BACKEND == "gluon"
+    assert parse_options({"BACKEND": "tl"}).BACKEND == "tl"
+    assert parse_options({"BACKEND": "tl"}).text == "BACKEND=tl"
+
+
+def test_auto_and_tl_plan_the_tl_kernel_on_cpu():
+    q, k, v = make_qkv(L=200, D=64, dtype=torch.bfloat16)
+    for options in (None, {"BACKEND": "tl"}):
+        assert flexgen.api.plan(q, k, v, kernel_options=options).spec.template == "forward"
+
+
+def test_auto_picks_gluon_for_large_calls_only(as_if_hopper):
+    """Where the Gluon kernel can run, AUTO takes it for calls of at least GLUON_MIN_SCORES
+    scores and no tiles of the caller's; "tl" never does; sigmoid_attention keeps tl."""
+    big = make_qkv(B=1, H=64, L=4096, D=64, dtype=torch.bfloat16)
+    small = make_qkv(B=1, H=2, L=300, D=64, dtype=torch.bfloat16)
+    plan = flexgen.api.plan(*big)
+    assert plan.spec.template == "forward_gluon" and plan.tl_spec.template == "forward"
+    assert plan.pointer_spec.template == "forward" and not plan.pointer_spec.use_tma
+    assert flexgen.api.plan(*small).spec.template == "forward"
+    assert flexgen.api.plan(*big, kernel_options={"BACKEND": "tl"}).spec.template == "forward"
+    assert flexgen.api.plan(*big, kernel_options={"BLOCK_N": 64}).spec.template == "forward"
+    assert flexgen.api.plan(*small, kernel_options=GLUON).spec.template == "forward_gluon"
+    from flexgen.runtime.plan import plan_sigmoid
+    _, s_plan = plan_module._sigmoid_plans(*big, "", (), "", (), (), (), (), 0.125, False, "")
+    assert s_plan.spec.template == "forward" and s_plan.spec.activation == "sigmoid"
+    assert plan_sigmoid is not None
+
+
+def test_cpu_tensors_are_refused_with_the_reason():
+    q, k, v = make_qkv(L=200, D=64, dtype=torch.bfloat16)
+    with pytest.raises(InputError, match="CUDA GPUs only"):
+        flex_attention(q, k, v, kernel_options=GLUON)
+
+
+@pytest.mark.parametrize("args, words", [
+    (("cuda", (8, 0), torch.bfloat16, 64, 64), "sm_90"),
+    (("cuda", (10, 0), torch.bfloat16, 64, 64), "sm_90"),
+    (("cuda", (9, 0), torch.float32, 64, 64), "float16 / bfloat16"),
+    (("cuda", (9, 0), torch.float16, 80, 80), "64 or 128"),
+    (("cuda", (9, 0), torch.float16, 128, 64), "equal head dims"),
+])
+def test_refusals_name_the_reason(args, words):
+    assert words in plan_module.gluon_refusal(*args)
+
+
+def test_supported_calls_are_accepted():
+    for dtype in (torch.float16, torch.bfloat16):
+        for D in (64, 128):
+            assert plan_module.gluon_refusal("cuda", (9, 0), dtype, D, D) is None
+
+
+def test_a_triton_without_the_gluon_api_declines(monkeypatch):
+    """A Triton whose Gluon lacks a piece the kernel uses is refused with its name, never a
+    compiler traceback."""
+    from flexgen.codegen import gluon
+    monkeypatch.setattr(gluon, "gluon_api_missing", lambda: "gl.warp_specialize")
+    why = plan_module.gluon_refusal("cuda", (9, 0), torch.bfloat16, 128, 128)
+    assert "gl.warp_specialize" in why and "Triton" in why
+
+
+def test_the_installed_triton_has_the_gluon_api():
+    """CI's Triton versions (3.6 and the newest) both carry what the kernel uses."""
+    from flexgen.codegen.gluon import gluon_api_missing
+    assert gluon_api_missing() is None
+
+
+def test_block_sizes_it_cannot_tile_are_refused(as_if_hopper):
+    q, k, v = make_qkv(L=256, D=64, dtype=torch.bfloat16)
+    bm = create_block_mask(M.causal_mask, None, None, 256, 256, device="cpu", BLOCK_SIZE=64)
+    with pytest.raises(InputError, match="Q_BLOCK 64"):
+        flexgen.api.plan(q, k, v, block_mask=bm, kernel_options=GLUON)
+
+
+def test_sigmoid_attention_refuses_gluon(as_if_hopper):
+    q, k, v = make_qkv(L=200, D=64, dtype=torch.bfloat16)
+    with pytest.raises(InputError, match="softmax only"):
+        flexgen.sigmoid_attention(q, k, v, kernel_options=GLUON)
+
+
+# ------------------------------------------------------------------------- source and sm_90
+
+def alibi_bias(H, device="cpu"):
+    slopes = torch.linspace(0.1, 0.8, H, device=device)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+    return score_mod
+
+
+def doc_mask(L, device="cpu"):
+    doc = torch.arange(L, device=device) // 97
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+    return mask_mod
+
+
+# (name, D, dtype, H, Hkv, Lq, Lkv, score_mod, mask_mod, BLOCK_SIZE)
+CASES = {
+    "dense_d128_bf16": (128, torch.bfloat16, 4, 4, 256, 256, None, None, None),
+    "causal_d64_fp16": (64, torch.float16, 4, 4, 300, 300, None, M.causal_mask, 128),
+    "alibi_document_gqa_d128": (128, torch.bfloat16, 4, 2, 300, 333, "alibi", "doc", 128),
+    "softcap_sliding_d64_kv64": (64, torch.bfloat16, 2, 1, 257, 200, M.tanh_softcap(20.0),
+                                 M.sliding_window(100), (128, 64)),
+    # Mods constant along the keys: their results are columns, broadcast to the score tile.
+    "row_only_mods_d64": (64, torch.float16, 2, 2, 300, 300, "row_bias", "first_rows", 128),
+}
+
+
+def row_bias(score, b, h, q_idx, kv_idx):
+    return q_idx * 0.01 + h
+
+
+def first_rows(b, h, q_idx, kv_idx):
+    return q_idx < 250
+
+
+def case_inputs(name, device="cpu"):
+    D, dtype, H, Hkv, Lq, Lkv, score, mask, block = CASES[name]
+    q, k, v = make_qkv(B=2, H=H, Hkv=Hkv, L=Lq, Lkv=Lkv, D=D, dtype=dtype, device=device)
+    score = alibi_bias(H, device) if score == "alibi" else row_bias if score == "row_bias" else score
+    mask = first_rows if mask == "first_rows" else mask
+    mask = doc_mask(max(Lq, Lkv), device) if mask == "doc" else mask
+    bm = None if mask is None else create_block_mask(mask, None, None, Lq, Lkv, device=device,
+                                                     BLOCK_SIZE=block)
+    return q, k, v, score, bm
+
+
+@pytest.mark.skipif(not conftest.AOT_ENABLED, reason="FLEXGEN_TEST_AOT=0")
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gluon_kernel_compiles_for_sm90(as_if_hopper, name):
+    """Each variant compiles to a cubin for sm_90 with the installed Triton, with the
+    argument types of a real launch (Gluon TMA descriptors, block lists, captured tensors)."""
+    q, k, v, score, bm = case_inputs(name)
+    plan = flexgen.api.plan(q, k, v, score_mod=score, block_mask=bm, enable_gqa=True,
+                            kernel_options=GLUON)
+    spec = plan.spec
+    assert spec.template == "forward_gluon"
+    module = cache.load(spec, interpret=False)
+    B, H, Lq, _ = q.shape
+    _, _, lists, block_size, _ = mask_inputs(bm)
+    sparse = None if bm is None else (*broadcast_lists(lists[:4], B, H), *block_size)
+    out = torch.empty(B, H, Lq, v.shape[3], dtype=q.dtype)
+    lse = torch.empty(B, H, Lq)
+    score_buffers = () if score is None else trace_cached(score, "score_mod").buffers
+    mask_buffers = () if bm is None else trace_cached(bm.mask_mod, "mask_mod").buffers
+    grid, args, constexprs = module.arguments(q=q, k=k, v=v, out=out, lse=lse, sparse=sparse,
+                                              score_buffers=score_buffers, mask_buffers=mask_buffers,
+                                              scale=0.125, max_scores=lse)
+    compiled = aot.compile_launch(spec, args, constexprs)
+    assert compiled.asm.get("cubin")
+    if name == "causal_d64_fp16":   # the ping-pong schedule (off by default) compiles too
+        assert aot.compile_launch(spec, args, dict(constexprs, PINGPONG=True)).asm.get("cubin")
+    # Hopper's asynchronous matrix instructions and TMA copies, not a fallback.
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+
+
+# ------------------------------------------------------------------------- on the GPU
+
+@needs_hopper
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gluon_cases_match_the_oracle(name):
+    q, k, v, score, bm = case_inputs(name, device="cuda")
+    run_and_check(q, k, v, score_mod=score, block_mask=bm, enable_gqa=True, kernel_options=GLUON)
+
+
+@needs_hopper
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mods", ["none", "causal", "alibi_causal", "softcap_prefix", "document"])
+@pytest.mark.parametrize("shape", [(1, 2, 2, 128, 128), (2, 4, 2, 300, 333), (1, 4, 1, 517, 200)])
+def test_gluon_grid_matches_the_oracle(D, dtype, mods, shape):
+    B, H, Hkv, Lq, Lkv = shape
+    q, k, v = make_qkv(B=B, H=H, Hkv=Hkv, L=Lq, Lkv=Lkv, D=D, dtype=dtype, device="cuda")
+    score, mask = None, None
+    if mods == "causal":
+        mask = M.causal_mask
+    elif mods == "alibi_causal":
+        score, mask = alibi_bias(H, "cuda"), M.causal_mask
+    elif mods == "softcap_prefix":
+        score, mask = M.tanh_softcap(30.0), M.prefix_lm(64)
+    elif mods == "document":
+        doc = torch.arange(max(Lq, Lkv), device="cuda") // 61
+
+        def mask(b, h, q_idx, kv_idx):
+            return doc[q_idx] == doc[kv_idx]
+    bm = None if mask is None else create_block_mask(mask, None, None, Lq, Lkv, device="cuda")
+    run_and_check(q, k, v, score_mod=score, block_mask=bm, enable_gqa=True, kernel_options=GLUON)
+
+
+@needs_hopper
+@pytest.mark.parametrize("D", [64, 128])
+def test_gluon_dead_rows_are_zero_with_lse_minus_inf(D):
+    """Rows no key is allowed for: output exactly 0 and LSE -inf, as the tl kernel gives."""
+    q, k, v = make_qkv(B=1, H=2, L=400, D=D, dtype=torch.bfloat16, device="cuda")
+
+    def late(b, h, q_idx, kv_idx):
+        return (q_idx >= 150) & (kv_idx <= q_idx)
+    bm = create_block_mask(late, None, None, 400, 400, device="cuda")
+    out, lse = run_and_check(q, k, v, block_mask=bm, kernel_options=GLUON)
+    assert torch.isneginf(lse[:, :, :150]).all() and (out[:, :, :150] == 0).all()
+
+
+@needs_hopper
+def test_gluon_matches_the_tl_kernel_and_writes_max_scores():
+    q, k, v = make_qkv(B=1, H=4, L=1000, D=128, dtype=torch.bfloat16, device="cuda")
+    bm = create_block_mask(M.causal_mask, None, None, 1000, 1000, device="cuda")
+    outs = {}
+    for backend in ("gluon", "tl"):
+        outs[backend] = flex_attention(q, k, v, block_mask=bm, return_aux=flexgen.AuxRequest(
+            lse=True, max_scores=True), kernel_options={"BACKEND": backend})
+    (og, aux_g), (ot, aux_t) = outs["gluon"], outs["tl"]
+    torch.testing.assert_close(og.float(), ot.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(aux_g.lse, aux_t.lse, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(aux_g.max_scores, aux_t.max_scores, atol=1e-3, rtol=1e-4)
+
+
+@needs_hopper
+def test_gluon_forward_feeds_the_tl_backward():
+    """A training step with the Gluon forward: its output and LSE feed the tl backward, and
+    the gradients are those of a tl forward."""
+    grads = {}
+    for backend in ("gluon", "tl"):
+        torch.manual_seed(3)
+        q, k, v = (t.requires_grad_() for t in make_qkv(B=1, H=4, Hkv=2, L=700, D=64,
+                                                        dtype=torch.bfloat16, device="cuda"))
+        bm = create_block_mask(M.causal_mask, None, None, 700, 700, device="cuda")
+        out = flex_attention(q, k, v, block_mask=bm, enable_gqa=True,
+                             kernel_options={"BACKEND": backend})
+        out.float().pow(2).sum().backward()
+        grads[backend] = (out.detach(), q.grad, k.grad, v.grad)
+    for g, t in zip(grads["gluon"], grads["tl"]):
+        torch.testing.assert_close(g.float(), t.float(), atol=3e-2, rtol=3e-2)
+
+
+def _compile_fails(monkeypatch):
+    """Make every Gluon launch fail as a Triton whose Gluon API changed would."""
+    from triton.compiler.errors import CompilationError
+    from flexgen.runtime import launch
+    real = launch.run
+
+    def run(spec, device, inputs, **kwargs):
+        if spec.template == "forward_gluon":
+            raise CompilationError("kernel.py", None, "gl.warp_specialize() got an unexpected keyword")
+        return real(spec, device, inputs, **kwargs)
+    monkeypatch.setattr(launch, "run", run)
+
+
+def test_a_gluon_compile_error_under_auto_falls_back_to_tl(as_if_hopper, monkeypatch):
+    monkeypatch.setattr(plan_module, "GLUON_MIN_SCORES", 0)
+    _compile_fails(monkeypatch)
+    q, k, v = make_qkv(B=1, H=2, L=80, D=64, dtype=torch.bfloat16)
+    plan = flexgen.api.plan(q, k, v)
+    assert plan.spec.template == "forward_gluon"
+    run_and_check(q, k, v)
+    assert plan.spec.template == "forward" and plan.tl_spec is None
+    run_and_check(q, k, v)                     # later calls go straight to the tl kernel
+
+
+def test_a_gluon_compile_error_under_backend_gluon_says_so(as_if_hopper, monkeypatch):
+    _compile_fails(monkeypatch)
+    q, k, v = make_qkv(B=1, H=2, L=80, D=64, dtype=torch.bfloat16)
+    with pytest.raises(InputError, match="compile error with Triton"):
+        flex_attention(q, k, v, kernel_options=GLUON)
+
+
+
+DEBUG_COMPILE = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+import test_forward_gluon as T
+from flexgen.codegen import debug
+assert debug.DEBUG
+T.plan_module.gluon_unavailable = lambda query, D, Dv: None
+T.test_gluon_kernel_compiles_for_sm90(None, "alibi_document_gqa_d128")
+source = T.flexgen.kernel_source(*T.case_inputs("alibi_document_gqa_d128")[:3], enable_gqa=True,
+    score_mod=T.case_inputs("alibi_document_gqa_d128")[3], block_mask=T.case_inputs("alibi_document_gqa_d128")[4],
+    kernel_options=T.GLUON)
+assert "tl.device_assert(" in source and "debug=True" in source
+print("debug ok")
+"""
+
+
+@pytest.mark.skipif(not conftest.AOT_ENABLED, reason="FLEXGEN_TEST_AOT=0")
+def test_gluon_kernel_compiles_in_debug_mode(tmp_path):
+    """FLEXGEN_DEBUG=1 (read at import: a subprocess): the Gluon kernel asserts captured-tensor
+    reads in bounds, as main's kernels do, and still compiles for sm_90."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = dict(os.environ, FLEXGEN_DEBUG="1", FLEXGEN_CACHE_DIR=str(tmp_path / "kernels"))
+    code = DEBUG_COMPILE.format(tests=str(Path(__file__).parent))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=str(tmp_path))
+    assert done.returncode == 0 and "debug ok" in done.stdout, done.stderr[-3000:]
