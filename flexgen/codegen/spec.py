@@ -22,10 +22,11 @@ from ..codegen.printer import Snippet
 
 # (The sigmoid activation left the softmax kernels' sources as they were: no new versions.
 # Full-tile mod results and FLEXGEN_DEBUG's kernel_jit changed forward, backward, decode
-# and block_mask's.)
+# and block_mask's. backward 6: the tile macros of common.py.jinja; the dQ kernel's dO and
+# out loads spell out their mask instead of sharing a v_mask variable.)
 TEMPLATE_VERSIONS = {"forward": 5, "block_mask": 2,
                      "decode": 2, "decode_merge": 1, "paged_write": 1,
-                     "backward": 5, "linear": 1, "linear_decode": 1}
+                     "backward": 6, "linear": 1, "linear_decode": 1}
 
 
 def pad_head_dim(d: int) -> int:
