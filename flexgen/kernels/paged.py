@@ -368,11 +368,16 @@ class PagedKVCache:
         return k.permute(1, 0, 2).contiguous(), v.permute(1, 0, 2).contiguous()
 
 
-def run_paged_write(k_cache, v_cache, key, value, page_table, slots, lengths, counts) -> None:
-    """Launch the paged_write kernel: ``counts[b]`` tokens of row ``b`` into sequence ``slots[b]``."""
-    spec = kernel_spec("paged_write", qk_head=k_cache.shape[3], v_head=v_cache.shape[3],
+def paged_write_spec(k_cache, v_cache):
+    """The paged_write kernel's spec for caches ``[pages, page_size, Hkv, D]`` / ``[..., Dv]``."""
+    return kernel_spec("paged_write", qk_head=k_cache.shape[3], v_head=v_cache.shape[3],
                        dtype=DTYPES[k_cache.dtype], block_m=64 if k_cache.device.type != "cuda" else 32,
                        num_warps=4)
+
+
+def run_paged_write(k_cache, v_cache, key, value, page_table, slots, lengths, counts) -> None:
+    """Launch the paged_write kernel: ``counts[b]`` tokens of row ``b`` into sequence ``slots[b]``."""
+    spec = paged_write_spec(k_cache, v_cache)
     launch.run(spec, k_cache.device, dict(k_new=key, v_new=value, k_cache=k_cache, v_cache=v_cache,
                                           page_table=page_table, slots=slots, lengths=lengths,
                                           count=counts))

@@ -136,6 +136,11 @@ def block_hits(lowered, traced, B, H, Q_LEN, KV_LEN, q_block, kv_block, device) 
     return hit
 
 
+def block_mask_spec(lowered) -> KernelSpec:
+    """The block-mask builder kernel's spec for a lowered mask_mod (its snippet and buffers)."""
+    return KernelSpec("block_mask", mask=lowered.snippet, mask_buffers=lowered.buffers, num_warps=4)
+
+
 def _classify_undecided(lowered, traced, blocks, Q_LEN, KV_LEN, q_block, kv_block, B=None, H=None):
     """int32 [2, N]: whether each undecided block is partial, and whether it is full.
 
@@ -151,7 +156,7 @@ def _classify_undecided(lowered, traced, blocks, Q_LEN, KV_LEN, q_block, kv_bloc
             pass
     device = blocks.device
     hits = torch.empty(2, blocks.shape[0], dtype=torch.int32, device=device)
-    spec = KernelSpec("block_mask", mask=lowered.snippet, mask_buffers=lowered.buffers, num_warps=4)
+    spec = block_mask_spec(lowered)
     # The kernel reads nonzero's int64 rows through their strides (column-major on a GPU).
     launch.run(spec, device, dict(blocks=blocks, hits=hits, mask_buffers=traced.buffers, q_len=Q_LEN,
                                   kv_len=KV_LEN, q_block=q_block, kv_block=kv_block))
