@@ -176,7 +176,8 @@ def child_main(args) -> int:
         consts = mod_constants(args.mod, args.seed)
         r["constants"] = consts
         score_mod, mask_mod = build_mods(torch, args.mod, consts, H, L, dev, gen)
-        q, k, v = (torch.randn(1, H, L, D, generator=gen).to(dev, torch.bfloat16) for _ in range(3))
+        q, k, v = (torch.randn(1, H, L, D, generator=gen).to(dev, getattr(torch, args.dtype))
+                   for _ in range(3))
         sync()
 
         if args.impl == "flexgen":
@@ -330,6 +331,7 @@ def spawn(args, impl, mod, case, seed, dirs, timeout) -> dict:
     """Run one child; its result with the process wall time and the caches' contents added."""
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--impl", impl, "--mod", mod,
            "--case", case, "--seed", str(seed), "--length", str(args.length), "--heads", str(args.heads),
+           "--dtype", args.dtype,
            "--dim", str(args.dim)] + (["--smoke"] if args.smoke else [])
     before = dir_stats(dirs)
     t0 = time.monotonic()
@@ -474,6 +476,8 @@ def main(argv=None) -> int:
     ap.add_argument("--length", type=int, default=None, help="sequence length (default 4096; 256 with --smoke)")
     ap.add_argument("--heads", type=int, default=None, help="heads (default 16; 2 with --smoke)")
     ap.add_argument("--dim", type=int, default=None, help="head dim (default 128; 64 with --smoke)")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                    help="the inputs' dtype (fp32 compiles other kernels: the issue's slow case)")
     ap.add_argument("--keep-dirs", action="store_true", help="leave the children's cache directories in place")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (Triton interpreter, torch eager): "
                     "tests the script only")
@@ -514,16 +518,16 @@ def main(argv=None) -> int:
     out_dir = args.out or os.environ.get("OUT")
     if out_dir or args.smoke:
         out_dir = out_dir or os.path.join(tempfile.gettempdir(), "flexgen_bench_smoke")
-        stem = "bench_cold_start"
+        stem = "bench_cold_start" + ("" if args.dtype == "bfloat16" else f"_{args.dtype}")
     else:   # several runs accumulate in benchmarks/results
         out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
         slug = re.sub(r"[^A-Za-z0-9]+", "-", env["device_name"]).strip("-").lower()
-        stem = f"bench_cold_start_{slug}_{env['date'][:16].replace(':', '').replace('-', '')}"
+        stem = f"bench_cold_start_{slug}_{args.dtype}_{env['date'][:16].replace(':', '').replace('-', '')}"
     os.makedirs(out_dir, exist_ok=True)
     json_path = os.path.join(out_dir, stem + ".json")
 
     payload = dict(env=env, config=dict(length=args.length, heads=args.heads, dim=args.dim, batch=1,
-                                        dtype="bfloat16", mods=mods, impls=impls, repeats=args.repeats,
+                                        dtype=args.dtype, mods=mods, impls=impls, repeats=args.repeats,
                                         warm=not args.no_warm, base_seed=base_seed, budget_s=args.budget,
                                         child_timeout_s=args.child_timeout, target_s=TARGET_S,
                                         tol=SMOKE_TOL if args.smoke else TOL,

@@ -51,7 +51,7 @@ from flexgen import mods as M  # noqa: E402
 from flexgen.reference import linear_attention_reference, sigmoid_attention_reference  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Timer, environment, write_json  # noqa: E402
+from common import Timer, copy_gbps, environment, write_json  # noqa: E402
 
 DTYPE = torch.bfloat16
 
@@ -232,18 +232,6 @@ def linear_cases(args, timer, cuda, device) -> list:
 
 
 # ---------------------------------------------------------------------------------- decode
-
-def copy_gbps(timer, cuda) -> float | None:
-    """Device-to-device copy bandwidth (GB/s: bytes read + written), the decode's ceiling."""
-    if not cuda:
-        return None
-    n = 1 << 28                                        # 1 GiB of float32
-    src = torch.empty(n, dtype=torch.float32, device="cuda")
-    dst = torch.empty_like(src)
-    ms = timer(lambda: dst.copy_(src))
-    del src, dst
-    return 2 * n * 4 / (ms * 1e-3) / 1e9
-
 
 def graph_ms(fn, timer, cuda) -> float | None:
     """Median ms of ``fn`` replayed from a CUDA graph, as a serving loop runs its decode steps

@@ -41,6 +41,18 @@ class Timer:
             torch.cuda.synchronize()
 
 
+def copy_gbps(timer, cuda) -> float | None:
+    """Device-to-device copy bandwidth (GB/s: bytes read + written), a memory-bound kernel's ceiling."""
+    if not cuda:
+        return None
+    n = 1 << 28                                        # 1 GiB of float32
+    src = torch.empty(n, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    ms = timer(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * n * 4 / (ms * 1e-3) / 1e9
+
+
 def doc_ids(B, L, device, gen, mean_len, min_docs=2) -> torch.Tensor:
     """int32 [B, L]: each row cut at random points into about L / mean_len documents."""
     n_docs = max(min_docs, L // mean_len)

@@ -125,7 +125,7 @@ def other_cases():
         try:
             ids = torch.randint(0, 5, (777,), device=DEV).sort().values
             bm = flexgen.create_block_mask(M.document_mask(ids), None, None, 777, 777, device=DEV)
-            dense = flexgen.create_mask(M.document_mask(ids.cpu()), 1, 1, 777, 777, device="cpu")
+            dense = flexgen.create_mask(M.document_mask(ids), 1, 1, 777, 777, device=DEV)
             q, k, v = qkv(1, 2, 2, 777, 777, 64)
             out = flexgen.flex_attention(q, k, v, block_mask=bm)
             return rel(out, flex_attention_reference(q, k, v, mask_mod=lambda b, h, qi, kv: dense[0, 0][qi, kv]))

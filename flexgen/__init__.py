@@ -9,11 +9,22 @@ __version__ = "0.1.0"
 from .errors import FlexgenError, GradientError, InputError, TraceError  # noqa: E402
 from .masks.block_mask import BlockMask, create_block_mask, create_mask  # noqa: E402
 from .api import AuxOutput, AuxRequest, decode_attention, flex_attention, kernel_source  # noqa: E402
-from .api import sigmoid_attention, sigmoid_kernel_source  # noqa: E402
+from .api import sigmoid_attention, sigmoid_kernel_source, varlen_attention  # noqa: E402
 from .api import linear_attention, linear_attention_decode, linear_kernel_source  # noqa: E402
 from .kernels.paged import CacheFullError, PagedKVCache  # noqa: E402
-from .runtime.tuning import autotune  # noqa: E402
+from .kernels.rope import RoPE  # noqa: E402
 from .mods.combinators import and_masks, noop_mask, or_masks  # noqa: E402
+
+
+def __getattr__(name):
+    # Loaded on first use, so ``import flexgen`` stays cheap: the tuner (it needs triton).
+    if name == "autotune":
+        from .runtime.tuning import autotune
+        return autotune
+    if name == "precompile":
+        from .runtime.warmup import precompile
+        return precompile
+    raise AttributeError(f"module 'flexgen' has no attribute {name!r}")
 
 
 def clear_caches() -> None:
@@ -33,5 +44,6 @@ __all__ = [
     "decode_attention", "PagedKVCache", "CacheFullError", "AuxRequest", "AuxOutput",
     "and_masks", "or_masks", "noop_mask", "FlexgenError", "InputError", "TraceError", "GradientError",
     "autotune", "clear_caches", "sigmoid_attention", "sigmoid_kernel_source",
-    "linear_attention", "linear_attention_decode", "linear_kernel_source",
+    "linear_attention", "linear_attention_decode", "linear_kernel_source", "varlen_attention",
+    "RoPE", "precompile",
 ]

@@ -14,11 +14,8 @@ import math
 
 import torch
 
-from .codegen.cache import source
 from .errors import expected, reported
-from .frontend.trace import trace_cached
 from .masks.block_mask import mask_inputs
-from .runtime import ops
 from .runtime.options import parse_options
 
 try:     # torch >= 2.9: return_aux
@@ -35,6 +32,28 @@ except ImportError:  # pragma: no cover - older torch
         """``flex_attention``'s auxiliary outputs (torch's AuxOutput)."""
         lse: torch.Tensor | None = None
         max_scores: torch.Tensor | None = None
+
+
+# The tracer, the custom ops (and the planner and kernels behind them) and the renderer load
+# on first use: ``import flexgen`` stays cheap for a process that only imports it, and the
+# first call of a mod the restart index knows never loads sympy or Jinja.
+
+def trace_cached(mod, kind: str):
+    """``flexgen.frontend.trace.trace_cached``, imported on first use."""
+    from .frontend.trace import trace_cached as trace
+    return trace(mod, kind)
+
+
+def _ops():
+    """``flexgen.runtime.ops`` (the custom ops are registered on its import)."""
+    from .runtime import ops
+    return ops
+
+
+def source(spec) -> str:
+    """The module source of a kernel spec (rendered: what ``kernel_source`` shows)."""
+    from .codegen.cache import source as rendered
+    return rendered(spec)
 
 
 def _tensors(**named) -> None:
@@ -98,7 +117,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         score_mod, block_mask)
     options = parse_options(kernel_options)
     want_max = return_aux is not None and bool(return_aux.max_scores)
-    out, lse, max_scores = ops.call_attention(
+    out, lse, max_scores = _ops().call_attention(
         query, key, value, score_buffers, mask_buffers, lists, score_mod, mask_mod, block_size,
         lengths, check_scale(scale, query.shape[-1]), bool(enable_gqa), options.text, want_max)
     if return_aux is not None:
@@ -140,6 +159,49 @@ def kernel_source(query, key, value, score_mod=None, block_mask=None, scale=None
     score_buffers = () if score_mod is None else trace_cached(score_mod, "score_mod").buffers
     bw = plan_backward(call, query, key, value, grad_slots(score_buffers))
     return source(bw.dq if part == "dq" else bw.dkdv)
+
+
+# ---------------------------------------------------------------------------------- packed varlen
+
+def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     score_mod=None, mask_mod=None, scale=None, enable_gqa=False, return_lse=False,
+                     kernel_options=None):
+    """Attention over sequences of different lengths packed along one axis, no padding.
+
+    query ``[total_q, Hq, D]``, key ``[total_k, Hkv, D]``, value ``[total_k, Hkv, Dv]``;
+    ``cu_seqlens_q`` / ``cu_seqlens_k`` int32 ``[num_seqs + 1]`` start offsets (sequence s
+    is query rows ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]`` and key rows
+    ``cu_seqlens_k[s]:cu_seqlens_k[s + 1]``; empty sequences allowed) — the
+    ``flash_attn_varlen_func`` convention. ``max_seqlen_q`` / ``max_seqlen_k`` are taken for
+    that API's sake and not needed: the offsets are read on the device only (no host
+    synchronization, so a step can be captured in a CUDA graph).
+
+    The mods see ``b`` = the sequence's index and ``q_idx`` / ``kv_idx`` = positions inside
+    that sequence, the queries aligned to its last keys when it has fewer queries than keys
+    (chunked prefill: query i is position ``i + Lk - Lq``); ``mask_mod`` is applied
+    element-wise, and for band masks (causal, sliding window) only the key tiles the band
+    meets are visited. Returns ``out [total_q, Hq, Dv]`` (rows past ``cu_seqlens_q[-1]``
+    unwritten), with ``return_lse`` also the LSE ``[Hq, total_q]`` float32. Differentiable
+    like ``flex_attention``; one ``torch.ops.flexgen.varlen_attention`` op per call.
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise reported(expected(name, "a torch.Tensor [total_tokens, H, D]", type(t).__name__,
+                                    f"pass {name} as a tensor"))
+    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise reported(expected(name, "a Python int >= 0 (the longest sequence)", repr(n),
+                                    f"pass int({name}) computed where the lengths are known"))
+    query, key, value = (t if t.dim() != 3 or t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+                         for t in (query, key, value))
+    score = None if score_mod is None else trace_cached(score_mod, "score_mod")
+    mask = None if mask_mod is None else trace_cached(mask_mod, "mask_mod")
+    out, lse = _ops().call_varlen_attention(
+        query, key, value, cu_seqlens_q, cu_seqlens_k, () if score is None else score.buffers,
+        () if mask is None else mask.buffers, "" if score is None else score.graph,
+        "" if mask is None else mask.graph, check_scale(scale, query.shape[-1]), bool(enable_gqa),
+        parse_options(kernel_options).text)
+    return (out, lse) if return_lse else out
 
 
 # ---------------------------------------------------------------------------------- decoding
@@ -202,7 +264,7 @@ def _query_end(q_offsets, q_lengths, B, Lq, kv_max, host_ql):
 def decode_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
                      enable_gqa=False, return_lse=False, kv_lengths=None, page_table=None, *,
                      mask_mod=None, q_offsets=None, q_lengths=None, num_splits=None,
-                     kernel_options=None, max_kv_len=None, _host_lengths=None):
+                     kernel_options=None, max_kv_len=None, _host_lengths=None, _packed=None):
     """Attention of a few query tokens per sequence against a (possibly paged) KV cache.
 
     query ``[B, Hq, Lq, D]`` (Lq from 1 to 16 is the decode case; any Lq works).
@@ -232,7 +294,9 @@ def decode_attention(query, key, value, score_mod=None, block_mask=None, scale=N
     Returns ``out [B, Hq, Lq, Dv]`` in the query's dtype, with ``return_lse``
     also the natural-log LSE ``[B, Hq, Lq]`` float32 (-inf and zeros for a
     query that sees no key). Forward only: no autograd. One ``torch.ops.flexgen.decode``
-    op per call. ``_host_lengths`` (the lengths as host ints) is PagedKVCache's.
+    op per call. ``_host_lengths`` (the lengths as host ints) and ``_packed`` (packed queries:
+    (query [total_q, Hq, D], int32 first rows [B + 1], longest), ``query`` being their
+    ``kernels.decode.packed_view``; outputs packed too) are PagedKVCache's.
     """
     _tensors(query=query, key=key, value=value)
     if block_mask is not None and mask_mod is not None:
@@ -321,10 +385,11 @@ def decode_attention(query, key, value, score_mod=None, block_mask=None, scale=N
                              (B, query.shape[1], Lq), q_offsets, host_ql, host_kv, kv_max, capacity)
     if max_kv_len is None:
         max_kv_len = capacity if kv_max is None else kv_max
-    out, lse = ops.call_decode(
-        query, key, value, list(score_buffers), list(mask_buffers), list(lists), kv, qs, ql,
-        page_table, score_mod, mask_text, list(block_size), list(lengths),
-        check_scale(scale, D), bool(enable_gqa), options.text, int(max_kv_len))
+    packed = () if _packed is None else (_packed[1], int(_packed[2]))
+    out, lse = _ops().call_decode(
+        query if _packed is None else _packed[0], key, value, list(score_buffers), list(mask_buffers),
+        list(lists), kv, qs, ql, page_table, score_mod, mask_text, list(block_size), list(lengths),
+        check_scale(scale, D), bool(enable_gqa), options.text, int(max_kv_len), *packed)
     return (out, lse) if return_lse else out
 
 
@@ -379,7 +444,7 @@ def sigmoid_attention(query, key, value, score_mod=None, block_mask=None, scale=
     _tensors(query=query, key=key, value=value)
     score_mod, score_buffers, mask_mod, mask_buffers, lists, block_size, lengths = _mods(
         score_mod, block_mask)
-    return ops.call_sigmoid_attention(
+    return _ops().call_sigmoid_attention(
         query, key, value, score_buffers, mask_buffers, lists, score_mod, mask_mod, block_size, lengths,
         check_scale(scale, query.shape[-1]), check_bias(bias, key.shape[2]), bool(enable_gqa),
         parse_options(kernel_options).text)
@@ -459,7 +524,7 @@ def linear_attention(query, key, value, decay_mod=None, feature_map=None, scale=
     """
     _tensors(query=query, key=key, value=value)
     decay_text, decay_buffers, feature_text, feature_buffers = _linear_mods(decay_mod, feature_map)
-    out, state = ops.call_linear_attention(
+    out, state = _ops().call_linear_attention(
         query, key, value, _state_arg("initial_state", initial_state), decay_buffers, feature_buffers,
         decay_text, feature_text, check_scale(scale, query.shape[-1]), bool(enable_gqa),
         bool(output_final_state), parse_options(kernel_options).text)
@@ -493,7 +558,7 @@ def linear_attention_decode(query, key, value, state, slots, decay_mod=None, fea
         raise reported(expected("slots", "distinct slots (each row updates its own state)", host,
                                 "give each batch row its own slot"))
     decay_text, decay_buffers, feature_text, feature_buffers = _linear_mods(decay_mod, feature_map)
-    return ops.call_linear_attention_decode(
+    return _ops().call_linear_attention_decode(
         query, key, value, state, slots, list(decay_buffers), list(feature_buffers), decay_text,
         feature_text, check_scale(scale, query.shape[-1]), bool(enable_gqa),
         parse_options(kernel_options).text)

@@ -222,3 +222,23 @@ def test_reduce_overhead_replays_on_gpu():
         lengths.copy_(torch.tensor(n, dtype=torch.int32))
         q = torch.randn(2, 4, 1, 64, device="cuda", dtype=torch.bfloat16)
         close(cstep(q, lengths), step(q, lengths), 2e-2)
+
+
+def test_op_string_arguments_are_single_lines():
+    """Regression (H100, torch 2.11): inductor prints an op's str arguments unquoted in the
+    FX-graph comments of the code it generates for CUDA; a mod's program text with newlines
+    ended the comment and the module failed to import ("unmatched ')'")."""
+    from flexgen.frontend.trace import trace
+    bias = torch.randn(4)
+    for mod, kind in ((lambda score, b, h, q_idx, kv_idx: score + bias[h], "score_mod"),
+                      (causal, "mask_mod")):
+        graph = trace(mod, kind).graph
+        assert "\n" not in graph and "\r" not in graph, graph
+
+
+def test_block_mask_op_stays_out_of_cuda_graphs():
+    """Building a mask reads values back to the host, which a CUDA graph capture cannot hold
+    (on the H100, mode="reduce-overhead" with the mask built inside failed in capture):
+    the op is tagged so torch.compile runs it outside its graphs."""
+    import flexgen.runtime.ops  # noqa: F401  (registers the ops; flexgen imports it lazily)
+    assert torch.Tag.cudagraph_unsafe in torch.ops.flexgen.block_mask.default.tags

@@ -380,7 +380,7 @@ def test_a_repeated_call_replays_its_launches(monkeypatch):
 
     def fake_run(spec, device, inputs, replay=0, **kwargs):
         launched.append(FakeReplay(spec.template))
-        assert replay == (11 if spec.template == "decode" else 4)
+        assert replay == (12 if spec.template == "decode" else 4)     # decode._swapped
         return launched[-1]
 
     monkeypatch.setattr(launch, "run", fake_run)

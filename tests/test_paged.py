@@ -164,6 +164,46 @@ def test_chunked_prefill_attends_to_the_cached_prefix():
     assert cache.length(slot) == 75 and len(cache.pages(slot)) == 5
 
 
+@pytest.mark.parametrize("with_block_mask", [False, True])
+def test_mixed_step_packed_equals_separate_calls(with_block_mask):
+    """One packed step in which slots decode a token, prefill a chunk after their prefix, start
+    a prompt, or sit out (0 rows): the same rows as one call per slot."""
+    Hkv, Hq, D = 2, 4, 32
+    cache = make_cache(8, num_pages=32, max_pages=8, seed=5)
+    slots = [cache.add_sequence() for _ in range(4)]
+    for i, (s, n) in enumerate(zip(slots, (20, 9, 0, 13))):
+        if n:
+            cache.append([s], randn(1, Hkv, n, D, seed=10 + i), randn(1, Hkv, n, D, seed=20 + i))
+    new = [1, 7, 5, 0]
+    cache.append(slots, randn(4, Hkv, 7, D, seed=30), randn(4, Hkv, 7, D, seed=31), counts=new)
+    q = randn(sum(new), Hq, D, seed=32)
+    bias = randn(4, seed=33)
+
+    def per_slot(score, b, h, q_idx, kv_idx):
+        return score + bias[b]
+
+    mask = dict(block_mask=cache.block_mask(causal_mask, BLOCK_SIZE=16)) if with_block_mask else \
+        dict(mask_mod=causal_mask)
+    out, lse = cache.attention(q, slots, score_mod=per_slot, q_lengths=new, return_lse=True, **mask)
+    assert out.shape == (13, Hq, D) and lse.shape == (Hq, 13)
+    start = 0
+    for b, (s, n) in enumerate(zip(slots, new)):
+        if n:
+            bias_b = bias[b:b + 1]
+
+            def one(score, b_, h, q_idx, kv_idx):
+                return score + bias_b[b_]
+
+            want, want_lse = cache.attention(q[start:start + n].transpose(0, 1)[None], [s], score_mod=one,
+                                             return_lse=True, **mask)
+            # (a separate call may split its keys: sums in another order)
+            torch.testing.assert_close(out[start:start + n], want[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(lse[:, start:start + n], want_lse[0], atol=1e-5, rtol=1e-5)
+        start += n
+    with pytest.raises(InputError, match="q_lengths.*summing"):
+        cache.attention(q, slots, q_lengths=[1, 7, 5, 1], mask_mod=causal_mask)
+
+
 def test_appending_across_page_boundaries():
     cache = make_cache(16, num_pages=12, seed=4)
     track = Tracker(cache)

@@ -1,7 +1,9 @@
 """Generated kernel modules: in memory first, with a verified copy on disk.
 
-A module's source is rendered from its spec, and that text is what runs: it is
-compiled from the string and executed into a fresh module object. Nothing is
+A module's source is rendered from its spec (or, in a later process, taken from
+the restart index, whose entries are authenticated: ``flexgen.codegen.index``),
+and that text is what runs: it is compiled from the string and executed into a
+fresh module object. Nothing is
 ever imported from the cache directory, so a file swapped on disk after it was
 checked cannot run, and Python neither reads nor writes bytecode
 (``__pycache__``) there.
@@ -30,7 +32,6 @@ import warnings
 from pathlib import Path
 
 from ..errors import FlexgenError
-from ..codegen.render import render
 from ..codegen.spec import KernelSpec
 
 MAX_MODULES = 1024
@@ -108,7 +109,19 @@ def module_path(spec: KernelSpec) -> Path:
 
 def source(spec: KernelSpec) -> str:
     """The kernel module source for ``spec``, as it is (or will be) on disk."""
+    from ..codegen.render import render
     return render(spec)
+
+
+def _module_text(spec: KernelSpec) -> str:
+    """The source a load runs: the restart index's verified copy for this spec key when a
+    previous process recorded one (no Jinja), else rendered now and recorded."""
+    from . import index
+    text = index.get("module", spec.key)
+    if not isinstance(text, str):
+        text = source(spec)
+        index.put("module", spec.key, text)
+    return text
 
 
 def _read_private(path: Path) -> bytes | None:
@@ -220,7 +233,7 @@ def load(spec: KernelSpec, interpret: bool):
     with _LOCK:
         module = _MODULES.get(cache_key)
         if module is None:
-            text = source(spec)
+            text = _module_text(spec)
             name = f"flexgen_kernels.{spec.kernel_name}{'_interp' if interpret else ''}"
             module = _execute(name, text, _disk_copy(spec.kernel_name, text), interpret)
             if len(_MODULES) >= MAX_MODULES:
@@ -235,3 +248,5 @@ def load(spec: KernelSpec, interpret: bool):
 def clear_memos() -> None:
     """Forget the loaded modules (the next call renders, checks and loads them again)."""
     _MODULES.clear()
+    from . import index
+    index.clear_memos()

@@ -14,7 +14,6 @@ and per buffer ``{name}_ptr``, ``{name}_size{d}``, ``{name}_stride{d}``.
 """
 from __future__ import annotations
 
-import ast
 from dataclasses import dataclass
 
 import sympy
@@ -22,56 +21,8 @@ from sympy.core.function import UndefinedFunction
 
 from ..codegen import debug
 from ..frontend.expr import SYMBOLS, BitAnd, BitNot, BitOr, BitXor, Sigmoid, Trunc, free_indices
-
-
-TL_DTYPES = {"float": "tl.float32", "int": "tl.int32", "bool": "tl.int1"}
-
-
-@dataclass(frozen=True)
-class Snippet:
-    """Statements computing one value, ready to paste into a template."""
-    lines: tuple        # "name = code" statements, in order
-    result: str         # the expression holding the value after ``lines``
-    kind: str           # "bool", "int" or "float"
-    # The names among score, b, h, q_idx, kv_idx the value depends on, sorted (a tuple:
-    # the spec's key is its repr, which must not depend on the hash seed); None: unknown.
-    free: tuple | None = None
-
-    def tile(self, rows: str, cols: str) -> str:
-        """``result`` as a full [rows, cols] tile, the shape a template's softmax and dots need.
-
-        In every template ``score`` is a [rows, cols] tile, ``q_idx`` a column and
-        ``kv_idx`` a row, so a value of ``score`` or of both positions is a tile
-        already; anything else (``q_idx * 0.1``, ``h``, a constant) is broadcast. A
-        Python literal becomes a tile of its own (``tl.broadcast_to`` takes tensors).
-        """
-        free = self.free
-        if free is not None and ("score" in free or ("q_idx" in free and "kv_idx" in free)):
-            return self.result
-        if literal_value(self.result) is not None:
-            return f"tl.full(({rows}, {cols}), {self.result}, {TL_DTYPES[self.kind]})"
-        return f"tl.broadcast_to({self.result}, ({rows}, {cols}))"
-
-    @property
-    def checks_reads(self) -> bool:
-        """Whether the statements assert that loads stay in bounds (debug mode): they read ``live``."""
-        return any(line.startswith("tl.device_assert(") for line in self.lines)
-
-
-_SPECIAL_FLOATS = {'float("nan")': float("nan"), 'float("inf")': float("inf"),
-                   'float("-inf")': float("-inf")}
-
-
-def literal_value(code: str):
-    """The value of ``code`` when it is a Python literal (``2``, ``-1``, ``0.5``, ``True``,
-    ``float("inf")``), else None: a literal has no ``.to()``, no shape and no dtype."""
-    if code in _SPECIAL_FLOATS:
-        return _SPECIAL_FLOATS[code]
-    try:
-        value = ast.literal_eval(code)
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        return None
-    return value if isinstance(value, (bool, int, float)) else None
+# Defined without sympy, for the restart index (flexgen.codegen.index):
+from .snippet import TL_DTYPES, Snippet, literal_value  # noqa: F401
 
 
 def cast(code: str, kind: str, target: str) -> str:

@@ -18,14 +18,15 @@ import triton
 
 from .. import __version__
 from ..codegen import debug
-from ..codegen.printer import Snippet
+from .snippet import Snippet
 
 # (The sigmoid activation left the softmax kernels' sources as they were: no new versions.
 # Full-tile mod results and FLEXGEN_DEBUG's kernel_jit changed forward, backward, decode
-# and block_mask's. backward 6: the tile macros of common.py.jinja; the dQ kernel's dO and
-# out loads spell out their mask instead of sharing a v_mask variable.)
+# and block_mask's; the fused RoPE paged_write's, packed mixed steps decode's. backward 6: the
+# tile macros of common.py.jinja; the dQ kernel's dO and out loads spell out their mask
+# instead of sharing a v_mask variable.)
 TEMPLATE_VERSIONS = {"forward": 5, "block_mask": 2,
-                     "decode": 2, "decode_merge": 1, "paged_write": 1,
+                     "decode": 3, "decode_merge": 1, "paged_write": 2,
                      "backward": 6, "linear": 1, "linear_decode": 1}
 
 
@@ -86,6 +87,20 @@ class KernelSpec:
                    qk_pad=pad_head_dim(self.qk_head) if self.qk_head else 0,
                    v_pad=pad_head_dim(self.v_head) if self.v_head else 0)
         return ctx
+
+
+@dataclass(frozen=True)
+class VarlenSpec(KernelSpec):
+    """A forward ``KernelSpec`` over packed variable-length sequences (``flexgen.varlen_attention``).
+
+    The mask's band ``q_idx + kv_lo <= kv_idx <= q_idx + kv_hi`` (``flexgen.masks.ranges``;
+    either bound None where the mask sets none) decides which key tiles a query tile
+    visits; ``band_exact``: the mask is exactly that band, so tiles inside it skip it.
+    """
+    varlen: bool = True
+    kv_lo: int | None = None
+    kv_hi: int | None = None
+    band_exact: bool = False
 
 
 def mod_fields(score, mask) -> dict:

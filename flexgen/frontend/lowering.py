@@ -2,16 +2,20 @@
 
 ``lower`` runs sympy (canonical form) and the printer once per distinct
 traced graph; a later call with the same graph, even with other captured
-tensors of the same dtype and rank, is a dict lookup.
+tensors of the same dtype and rank, is a dict lookup. What the planner reads of
+the result (the snippet, the buffer signatures and a few facts about the
+expression) is plain data: a new process finds it in the restart index
+(``flexgen.codegen.index``) by the graph's text, without importing sympy. The
+sympy expression itself (``LoweredMod.expr``) is rebuilt on first use, for the
+callers that analyse it further (block-mask bounds without a recorded program,
+gradients, context parallelism).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-import sympy
-
-from ..codegen.printer import Snippet, print_snippet
-from ..frontend.expr import canonical_text, to_sympy
+from ..codegen.snippet import Snippet
 from ..codegen.spec import BufferSig
 from ..frontend.trace import TracedMod
 
@@ -20,15 +24,26 @@ PREFIX = {"score_mod": "s", "mask_mod": "m", "decay_mod": "d", "feature_map": "f
 
 @dataclass(frozen=True)
 class LoweredMod:
-    expr: sympy.Basic           # canonical sympy form
-    canonical: str              # its stable text
+    """A mod as kernels and the planner see it. Every field is plain data (the restart
+    index stores it); ``expr`` is computed from ``graph`` when first asked for."""
+    canonical: str              # the canonical sympy form's stable text
     snippet: Snippet            # Triton statements computing it
     buffers: tuple              # BufferSig per captured tensor, in slot order
+    is_true: bool = False       # a mask that keeps everything (noop_mask and its spellings)
+    free: frozenset = frozenset()       # names of the index symbols it reads (b, h, q_idx, ...)
+    transcendental: bool = False        # a score_mod with tanh, exp, ... (its own tile row)
+    # A mask_mod's bounds on kv_idx for a given q_idx (``flexgen.masks.ranges``), or None.
+    kv_range: tuple | None = None
+    # A mask_mod's block-bounds program (``flexgen.masks.bounds.compile_flags``), or None.
+    bounds: tuple | None = None
+    graph: str = ""             # the traced program it came from
+    prefix: str = ""            # "s", "m", "d" or "f": names its buffers
 
-    @property
-    def is_true(self) -> bool:
-        """A mask that keeps everything (noop_mask and its spellings)."""
-        return self.expr is sympy.true
+    @functools.cached_property
+    def expr(self):
+        """The canonical sympy expression (imports sympy)."""
+        from ..frontend.expr import to_sympy
+        return to_sympy(TracedMod.from_graph(self.graph, ()), self.prefix)
 
 
 _LOWERED: dict = {}
@@ -38,15 +53,65 @@ def lower(traced: TracedMod) -> LoweredMod:
     """Canonical expression, snippet and buffer signatures of ``traced``."""
     hit = _LOWERED.get(traced.signature)
     if hit is None:
+        from ..codegen import index
         prefix = PREFIX[traced.kind]
-        expr = to_sympy(traced, prefix)
-        snippet = print_snippet(expr, f"{prefix}_")
-        buffers = tuple(BufferSig(f"{prefix}buf{i}", t.dim(), str(t.dtype).replace("torch.", ""))
-                        for i, t in enumerate(traced.buffers))
+        key = f"{prefix}\n{traced.graph}"
+        found = index.get("lowered", key)
+        hit = None if found is None else _from_record(found, traced.graph, prefix)
+        if hit is None:
+            hit = _lower(traced, prefix)
+            index.put("lowered", key, _record(hit))
         if len(_LOWERED) >= 4096:        # mods made per call: stay bounded
             _LOWERED.clear()
-        hit = _LOWERED[traced.signature] = LoweredMod(expr, canonical_text(expr), snippet, buffers)
+        _LOWERED[traced.signature] = hit
     return hit
+
+
+def _lower(traced: TracedMod, prefix: str) -> LoweredMod:
+    """The full path: sympy's canonical form, printed."""
+    import sympy
+
+    from ..codegen.printer import print_snippet
+    from ..frontend.expr import canonical_text, free_indices, to_sympy
+    from ..masks import bounds, ranges
+    from ..runtime.tuning import transcendental
+    expr = to_sympy(traced, prefix)
+    snippet = print_snippet(expr, f"{prefix}_")
+    buffers = tuple(BufferSig(f"{prefix}buf{i}", t.dim(), str(t.dtype).replace("torch.", ""))
+                    for i, t in enumerate(traced.buffers))
+    mask = traced.kind == "mask_mod"
+    lowered = LoweredMod(canonical_text(expr), snippet, buffers, is_true=expr is sympy.true,
+                         free=free_indices(expr), transcendental=transcendental(expr),
+                         kv_range=ranges.kv_range(expr) if mask else None,
+                         bounds=bounds.compile_flags(expr, buffers) if mask else None,
+                         graph=traced.graph, prefix=prefix)
+    lowered.__dict__["expr"] = expr      # (the cached_property's slot: no second conversion)
+    return lowered
+
+
+def _record(m: LoweredMod) -> dict:
+    """What the restart index keeps of a lowered mod (JSON)."""
+    return dict(canonical=m.canonical, lines=list(m.snippet.lines), result=m.snippet.result,
+                kind=m.snippet.kind, buffers=[[b.name, b.ndim, b.dtype] for b in m.buffers],
+                is_true=m.is_true, free=sorted(m.free), transcendental=m.transcendental,
+                kv_range=None if m.kv_range is None else list(m.kv_range), bounds=m.bounds)
+
+
+def _from_record(r: dict, graph: str, prefix: str) -> LoweredMod | None:
+    try:
+        return LoweredMod(
+            r["canonical"], Snippet(tuple(r["lines"]), r["result"], r["kind"], tuple(sorted(r["free"]))),
+            tuple(BufferSig(n, int(d), t) for n, d, t in r["buffers"]), is_true=bool(r["is_true"]),
+            free=frozenset(r["free"]), transcendental=bool(r["transcendental"]),
+            kv_range=None if r["kv_range"] is None else tuple(r["kv_range"]),
+            bounds=_frozen(r["bounds"]), graph=graph, prefix=prefix)
+    except (KeyError, TypeError, ValueError):
+        return None          # an entry of another layout: compute it again
+
+
+def _frozen(value):
+    """JSON lists back to the tuples they were (the bounds program is hashable data)."""
+    return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
 
 
 def buffer_map(traced: TracedMod) -> dict:

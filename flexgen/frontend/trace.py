@@ -20,6 +20,10 @@ and is cheap to hash) and the sympy conversion (``parse`` turns it back into
 closure holds tensors of the graph, is traced there and its tensors become
 inputs of the op, exactly as in eager mode.
 
+The lines are separated by ``LINE_END`` (";"), never a newline: torch.compile prints an
+op's str arguments unquoted in comments of the code it generates (inductor's FX-graph
+comments), where a newline would end the comment.
+
 Every line carries the dtype torch would give the same computation, collapsed
 to three kinds the kernel computes in: ``b`` (bool), ``i`` (int32) and ``f``
 (float32). The program's lines::
@@ -67,6 +71,7 @@ _RANK = {"b": 0, "i": 1, "f": 2}
 
 UNARY = ("exp", "exp2", "log", "log2", "sqrt", "rsqrt", "tanh", "sigmoid", "sin", "cos", "tan", "erf",
          "abs", "sign", "floor", "ceil", "neg", "not", "bitnot", "silu", "relu")
+LINE_END = ";"      # between the program's lines (see the module docstring)
 BINARY = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "minimum", "maximum",
           "and", "or", "xor", "shl", "shr", "eq", "ne", "lt", "le", "gt", "ge")
 COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
@@ -105,7 +110,7 @@ class _Tracer:
         self.name = getattr(mod, "__name__", type(mod).__name__)
         # The name rides along for messages (a backward planned from the text alone names
         # the mod); kernels key on the lowered form, where it plays no part.
-        self.lines = [f"program {kind} {''.join(self.name.split()) or '?'}"]
+        self.lines = [f"program {kind} {''.join(self.name.replace(LINE_END, ' ').split()) or '?'}"]
         self.index = {}            # line -> its number (identical lines are one node)
         self.buffers = []
         self.derived = False
@@ -1625,7 +1630,7 @@ def trace(mod, kind: str) -> TracedMod:
     lines = tracer.lines + [f"root {root._kind} %{root._node}"]
     for slot, t in enumerate(tracer.buffers):
         lines.append(f"buffer {slot} {DTYPE_NAMES[t.dtype]} {t.dim()}")
-    return TracedMod(kind, tracer.name, "\n".join(lines), tuple(tracer.buffers), tracer.derived)
+    return TracedMod(kind, tracer.name, LINE_END.join(lines), tuple(tracer.buffers), tracer.derived)
 
 
 # Built at import (~2 ms): torch.compile traces the lookups, but not the building.
@@ -1651,7 +1656,7 @@ def parse(graph: str) -> tuple:
     hit = _PARSED.get(graph)
     if hit is None:
         nodes, kind, name, root, buffers = [None], None, None, None, []
-        for number, line in enumerate(graph.split("\n")):
+        for number, line in enumerate(graph.split(LINE_END)):
             op, rest = line.split(" ", 1)
             fields = rest.split(" ")
             if op == "program":

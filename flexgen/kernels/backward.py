@@ -38,7 +38,6 @@ from dataclasses import dataclass
 import torch
 
 from ..codegen.spec import KernelSpec, tma_addressable
-from ..frontend.grad import lower_grad
 from ..frontend.lowering import lower
 from ..runtime import launch
 from ..runtime.poison import poison
@@ -53,6 +52,16 @@ class BackwardSpec(KernelSpec):
     scatters: tuple = ()                # Scatter per buffer load that gets a gradient (dq only)
     grad_buffers: tuple = ()            # BufferSig per gradient buffer (dq only)
     deterministic: bool = False         # gradient buffers in int64 fixed point (see FIXED_POINT)
+
+
+@dataclass(frozen=True)
+class VarlenBackwardSpec(BackwardSpec):
+    """A ``BackwardSpec`` over packed variable-length sequences: the fields of
+    ``flexgen.codegen.spec.VarlenSpec``."""
+    varlen: bool = True
+    kv_lo: int | None = None
+    kv_hi: int | None = None
+    band_exact: bool = False
 
 
 # Under torch.use_deterministic_algorithms(True) the gradients of captured tensors, which
@@ -83,6 +92,7 @@ def backward_specs(score_traced, mask, grad_slots: tuple, *, qk_head, v_head, dt
                    dot_precision, use_tma, dq_tiles, dkdv_tiles, tune_blocks,
                    deterministic=False) -> BackwardPlan:
     """The dQ and dK/dV specs of a call (raises GradientError naming the mod)."""
+    from ..frontend.grad import lower_grad      # sympy: loaded by the first backward only
     grads = lower_grad(score_traced, grad_slots)
     deterministic = deterministic and bool(grads.scatters)
     grad_buffers = tuple(dataclasses.replace(g, dtype="int64") for g in grads.grad_buffers) \
@@ -160,9 +170,7 @@ def run_backward(bw: BackwardPlan, plan, query, key, value, out, lse, grad_out, 
         dk = torch.empty(key.shape, dtype=key.dtype, device=device)
         dv = torch.empty(value.shape, dtype=value.dtype, device=device)
     poison(delta, dq, dk, dv)
-    grad_dtype = torch.int64 if bw.dq.deterministic else torch.float32
-    grads = [torch.zeros(score_buffers[i].shape, dtype=grad_dtype, device=device)
-             for i in bw.grad_slots]
+    grads = gradient_buffers(bw, score_buffers, device)
     kv_sparse = q_sparse = None
     if plan.mask_info is not None:
         kv_sparse = _lists(block_lists[:4], B, H, plan.mask_info.block_size)
@@ -178,12 +186,25 @@ def run_backward(bw: BackwardPlan, plan, query, key, value, out, lse, grad_out, 
                    tune_blocks=bw.tune_blocks)
         if shared_kv:
             dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
-    buffer_grads = [None] * len(score_buffers)
+    return dq, dk, dv, buffer_grads(bw, grads, score_buffers)
+
+
+def gradient_buffers(bw: BackwardPlan, score_buffers, device) -> list:
+    """Zeroed accumulators for the captured tensors in ``bw.grad_slots`` (int64 fixed point in
+    deterministic mode, else float32)."""
+    grad_dtype = torch.int64 if bw.dq.deterministic else torch.float32
+    return [torch.zeros(score_buffers[i].shape, dtype=grad_dtype, device=device) for i in bw.grad_slots]
+
+
+def buffer_grads(bw: BackwardPlan, grads, score_buffers) -> list:
+    """The accumulators of ``gradient_buffers`` as gradients: one per captured tensor, in slot
+    order (None where a slot gets none), in each tensor's dtype."""
+    out = [None] * len(score_buffers)
     for slot, g in zip(bw.grad_slots, grads):
         if bw.dq.deterministic:
             g = g.to(torch.float64) / FIXED_POINT
-        buffer_grads[slot] = g.to(score_buffers[slot].dtype)
-    return dq, dk, dv, buffer_grads
+        out[slot] = g.to(score_buffers[slot].dtype)
+    return out
 
 
 def grad_slots(buffers) -> tuple:
@@ -191,4 +212,5 @@ def grad_slots(buffers) -> tuple:
     return tuple(i for i, t in enumerate(buffers) if t.requires_grad and t.dtype.is_floating_point)
 
 
-__all__ = ["BackwardSpec", "BackwardPlan", "backward_specs", "run_backward", "grad_slots"]
+__all__ = ["BackwardSpec", "VarlenBackwardSpec", "BackwardPlan", "backward_specs", "run_backward",
+           "gradient_buffers", "buffer_grads", "grad_slots"]

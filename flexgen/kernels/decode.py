@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from ..runtime import launch
+from ..runtime.checks import may_cache
 from ..runtime.poison import poison
 
 CPU_SPLITS = 2                   # splits under the interpreter: small, but the merge always runs
@@ -80,8 +81,8 @@ def visit_lists(kv_lists, group: int):
     version, so an in-place change is seen), except while a CUDA graph is captured:
     the graph must then hold the computation itself.
     """
-    capturing = kv_lists[0].is_cuda and torch.cuda.is_current_stream_capturing()
-    key = None if capturing else (tuple((id(t), t._version) for t in kv_lists), group)
+    key = (None if not may_cache(kv_lists[0].device)
+           else (tuple((id(t), t._version) for t in kv_lists), group))
     hit = None if key is None else _VISITS.get(key)
     if hit is not None and all(a is b for a, b in zip(hit[0], kv_lists)):
         return hit[1]
@@ -203,7 +204,9 @@ def constant(value: int, device) -> torch.Tensor:
     if t is None:
         if len(_CONSTANTS) > 4096:
             _CONSTANTS.clear()
-        t = _CONSTANTS[key] = torch.tensor([value], dtype=torch.int32, device=device)
+        t = torch.tensor([value], dtype=torch.int32, device=device)
+        if may_cache(device):
+            _CONSTANTS[key] = t
     return t
 
 
@@ -223,16 +226,17 @@ class _Launch:
 def _swapped(plan: _Launch, query, key, value, out, lse, o_part, l_part) -> tuple:
     """The split kernel's leading tensor arguments, as its module's ``arguments`` orders them
     (the outputs stand in for the partials when there is one split, the kv lengths for the
-    query starts when queries end their sequences, the query for a contiguous page table)."""
+    query starts when queries end their sequences and for the packed queries' first rows,
+    the query for a contiguous page table)."""
     kv, qs, ql = plan.seq
     single = plan.num_splits == 1
     return (query, key, value, out, lse, out if single else o_part, lse if single else l_part,
-            kv, kv if qs is None else qs, ql, query if plan.page_table is None else plan.page_table)
+            kv, kv if qs is None else qs, ql, query if plan.page_table is None else plan.page_table, kv)
 
 
 def run_decode(plan, query, key, value, score_buffers, mask_buffers, kv_lists,
                kv_lengths, q_offsets, q_lengths, page_table, scale: float, max_kv_len: int,
-               out_strides=None, bias=None):
+               out_strides=None, bias=None, q_rows=None, longest=0):
     """Launch a planned decode call: (out [B, Hq, Lq, Dv], lse [B, Hq, Lq]).
 
     ``kv_lengths`` / ``q_lengths`` are int32 tensors of B values or of one value shared
@@ -241,7 +245,13 @@ def run_decode(plan, query, key, value, score_buffers, mask_buffers, kv_lists,
     four kv lists or None, ``max_kv_len`` a host bound on the lengths (for the split count),
     ``out_strides`` the output's layout (default contiguous), ``bias`` the sigmoid's bias
     for a plan of sigmoid kernels (``sigmoid_attention``; its lse is then not written).
+
+    ``q_rows`` (int32 [B + 1], the sequences' first rows): packed queries ``[total_q, Hq, D]``,
+    the longest ``longest`` rows; returns (out [total_q, Hq, Dv], lse [Hq, total_q]).
     """
+    if q_rows is not None:
+        return _run_packed(plan, query, key, value, score_buffers, mask_buffers, kv_lists, kv_lengths,
+                           q_offsets, q_lengths, page_table, scale, q_rows, longest)
     B, Hq, Lq, _ = query.shape
     Dv = value.shape[-1]
     device = query.device
@@ -293,6 +303,40 @@ def run_decode(plan, query, key, value, score_buffers, mask_buffers, kv_lists,
     if S > 1 and (slot[1] is None or not slot[1](o_part, l_part, out, lse)):
         slot[1] = launch.run(plan.merge_spec, device,
                              dict(o_part=o_part, l_part=l_part, out=out, lse=lse), replay=4)
+    return out, lse
+
+
+def packed_view(t, num_seqs: int, longest: int):
+    """[total, H, D] (or [H, total] for an LSE) as the [num_seqs, H, longest, D] view the decode
+    kernel addresses (batch stride 0: its Q_ROWS give each sequence's first row)."""
+    if t.dim() == 2:
+        return t.as_strided((num_seqs, t.shape[0], longest), (0, t.stride(0), t.stride(1)))
+    return t.as_strided((num_seqs, t.shape[1], longest, t.shape[2]), (0, t.stride(1), t.stride(0), t.stride(2)))
+
+
+def _run_packed(plan, query, key, value, score_buffers, mask_buffers, kv_lists, kv_lengths, q_offsets,
+                q_lengths, page_table, scale, q_rows, longest):
+    """run_decode for packed queries ``[total_q, Hq, D]``: one split (the output is written in
+    place, no merge), the kernel addressing views ``packed_view`` makes."""
+    total_q, Hq, _ = query.shape
+    B = q_rows.shape[0] - 1
+    device = query.device
+    visit = None
+    if plan.has_block_mask:
+        idx, cum = visit_lists(kv_lists, plan.group)
+        Hkv = Hq // plan.group
+        visit = (idx.expand(B, Hkv, *idx.shape[2:]), cum.expand(B, Hkv, *cum.shape[2:]))
+    out = torch.empty(total_q, Hq, value.shape[-1], dtype=query.dtype, device=device)
+    lse = torch.empty(Hq, total_q, dtype=torch.float32, device=device)
+    poison(out, lse)
+    if total_q:
+        launch.run(plan.spec, device, dict(
+            q=packed_view(query, B, longest), k=key, v=value, out=packed_view(out, B, longest),
+            lse=packed_view(lse, B, longest), o_part=None, l_part=None,
+            seq=(kv_lengths, q_offsets, q_lengths), page_table=page_table, visit=visit,
+            score_buffers=score_buffers, mask_buffers=mask_buffers, scale=scale, q_tile=plan.q_tile,
+            num_splits=1, page_size=plan.page_size, sparse_q=plan.sparse_q, sparse_kv=plan.sparse_kv,
+            q_rows=q_rows))
     return out, lse
 
 

@@ -38,10 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from ..codegen.spec import kernel_spec
 from ..errors import InputError, expected
-from ..masks.block_mask import create_block_mask
-from ..runtime import launch
 from ..runtime.checks import DTYPES
 
 
@@ -246,7 +243,7 @@ class PagedKVCache:
         return self.page_table[index], self.lengths[index]
 
     # --- writing ----------------------------------------------------------------------
-    def append(self, slots, key, value, counts=None) -> None:
+    def append(self, slots, key, value, counts=None, *, rope=None, query=None):
         """Append new keys / values to the sequences of ``slots`` (prefill chunks or single tokens).
 
         key ``[B, Hkv, L, D]``, value ``[B, Hkv, L, Dv]`` (the layout ``flex_attention``
@@ -255,6 +252,12 @@ class PagedKVCache:
         + counts[b] - 1``. Pages are reserved first (all or nothing,
         ``CacheFullError`` when the pool is short); one Triton kernel writes them
         (inputs of another dtype are converted to the cache's first).
+
+        ``rope`` (a ``flexgen.RoPE``): the keys are rotated at those positions in the same
+        kernel, and ``query`` ``[B, Hq, L, D]`` (Hq a multiple of Hkv) too, every row at the
+        position its token has (padding rows at the positions they would have): returns the
+        rotated query (in its dtype), else None. Positions come from the cached lengths:
+        decoding needs no position tensor.
         """
         slots = self._slots(slots)
         B = len(slots)
@@ -283,16 +286,32 @@ class PagedKVCache:
             if len(counts) != B or min(counts) < 0 or max(counts) > L:
                 raise expected("counts", f"{B} counts from 0 to {L}", counts,
                                "give each row's number of valid new tokens")
+        inv_freq = None
+        if rope is not None:
+            inv_freq = self._rope_frequencies(rope)
+            if query is not None:
+                self._check_query(query, B, L)
+        elif query is not None:
+            raise expected("query", "None without rope", "a tensor",
+                           "pass rope=flexgen.RoPE(...) to rotate the query, or leave query out")
         self.reserve(slots, [self._lengths[s] + c for s, c in zip(slots, counts)])
-        if L and max(counts):
+        rotated = None
+        if L:
             # Convert in torch (round to nearest even) so the cached values are the same on
             # every backend (the interpreter's float32 -> bfloat16 conversion truncates); the
-            # kernel then only copies.
+            # kernel then only copies (or rotates in float32).
             key, value = (t.to(self.dtype) if t.dtype != self.dtype else t for t in (key, value))
             if key.stride(-1) != 1:
                 key = key.contiguous()
             if value.stride(-1) != 1:
                 value = value.contiguous()
+        if inv_freq is not None and L:
+            from ..runtime.ops import call_paged_write_rope
+            rotated = call_paged_write_rope(
+                self.k_cache, self.v_cache, key, value, self.page_table, self._index("slots", slots),
+                self.lengths, self._index("counts", counts), inv_freq, rope.dims(self.head_dim),
+                bool(rope.interleaved), query)
+        elif L and max(counts):
             from ..runtime.ops import call_paged_write
             call_paged_write(self.k_cache, self.v_cache, key, value, self.page_table,
                              self._index("slots", slots), self.lengths, self._index("counts", counts))
@@ -302,6 +321,33 @@ class PagedKVCache:
             self._prefix(B)[1].add_(counts[0])
         else:     # the slots are distinct: one scatter-add
             self.lengths.index_add_(0, self._index("slots", slots, torch.int64), self._index("counts", counts))
+        if query is None:
+            return None
+        return rotated if rotated is not None else query      # L == 0: nothing to rotate
+
+    def _rope_frequencies(self, rope):
+        """``rope``'s frequencies on the cache's device, made once per RoPE."""
+        from .rope import RoPE
+        if not isinstance(rope, RoPE):
+            raise expected("rope", "a flexgen.RoPE or None", type(rope).__name__,
+                           "pass rope=flexgen.RoPE(theta=..., rotary_dim=..., interleaved=...)")
+        key = ("rope", rope)
+        t = self._tensors.get(key)
+        if t is None:
+            t = self._tensors[key] = rope.inv_freq(self.head_dim, self.device)
+        return t
+
+    def _check_query(self, query, B, L):
+        if not isinstance(query, torch.Tensor) or query.dim() != 4 or query.shape[0] != B \
+                or query.shape[2] != L or query.shape[3] != self.head_dim \
+                or query.shape[1] % self.num_kv_heads:
+            got = list(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
+            raise expected("query", f"a tensor [{B}, Hq, {L}, {self.head_dim}] with Hq a multiple of "
+                           f"{self.num_kv_heads} (the key's rows and tokens)", got,
+                           "pass the queries of the tokens appended, as [batch, heads, tokens, head dim]")
+        if query.device != self.device or query.dtype not in DTYPES:
+            raise expected("query", f"a float16, bfloat16 or float32 tensor on {self.device}",
+                           f"{query.dtype} on {query.device}", f"query.to('{self.device}')")
 
     # --- reading ----------------------------------------------------------------------
     def attention(self, query, slots, score_mod=None, mask_mod=None, block_mask=None, scale=None,
@@ -316,12 +362,26 @@ class PagedKVCache:
         logical positions (see ``block_mask``) also skips blocks. Any Lq works:
         a prefill chunk attends to the cached prefix and to itself (pass a
         causal mask). Returns ``out [B, Hq, Lq, Dv]`` (and the LSE ``[B, Hq, Lq]``).
+
+        A mixed step (some sequences prefill a chunk, others decode a token) can also come
+        packed, without padding: query ``[total_q, Hq, D]`` holding each slot's rows one after
+        another and ``q_lengths`` their counts (0 for a slot with no new token); one launch
+        serves them all (one split), returning ``out [total_q, Hq, Dv]`` (and the LSE
+        ``[Hq, total_q]``).
         """
         slots = self._slots(slots)
         B = len(slots)
+        packed = None
+        if isinstance(query, torch.Tensor) and query.dim() == 3:
+            packed, query = self._packed_queries(query, B, q_lengths)
+            if packed is None:            # no query rows at all: nothing to launch
+                out = query.new_empty(0, query.shape[1], self.v_head_dim)
+                lse = query.new_empty(query.shape[1], 0, dtype=torch.float32)
+                return (out, lse) if return_lse else out
         if not isinstance(query, torch.Tensor) or query.dim() != 4 or query.shape[0] != B:
             got = list(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
-            raise expected("query", f"a tensor [{B}, Hq, Lq, D] (one row per slot)", got,
+            raise expected("query", f"a tensor [{B}, Hq, Lq, D] (one row per slot) or packed "
+                           "[total_q, Hq, D] with q_lengths", got,
                            "pass queries as [batch, heads, tokens, head dim]")
         Lq = query.shape[2]
         lengths = [self._lengths[s] for s in slots]
@@ -346,7 +406,26 @@ class PagedKVCache:
                                 return_lse=return_lse, kv_lengths=kv_lengths, page_table=table,
                                 mask_mod=mask_mod, q_lengths=q_arg, num_splits=num_splits,
                                 kernel_options=kernel_options, max_kv_len=max(lengths, default=0),
-                                _host_lengths=(lengths, q_counts))
+                                _host_lengths=(lengths, q_counts), _packed=packed)
+
+    def _packed_queries(self, query, B, q_lengths):
+        """((packed query, first rows, longest), the [B, Hq, longest, D] view the kernel reads)."""
+        from .decode import packed_view
+        if q_lengths is None:
+            raise expected("q_lengths", f"{B} query counts with a packed query [total_q, Hq, D]", None,
+                           "pass each slot's number of new query tokens (0 for none)")
+        counts = [int(c) for c in (q_lengths.reshape(-1).tolist() if isinstance(q_lengths, torch.Tensor)
+                                   else q_lengths)]
+        if len(counts) != B or min(counts, default=0) < 0 or sum(counts) != query.shape[0]:
+            raise expected("q_lengths", f"{B} counts >= 0 summing to the packed query's "
+                           f"{query.shape[0]} tokens", counts, "give each slot's number of query rows")
+        rows = [0]
+        for c in counts:
+            rows.append(rows[-1] + c)
+        if query.shape[0] == 0:
+            return None, query
+        longest = max(counts)
+        return (query, self._index("rows", rows), longest), packed_view(query, B, longest)
 
     def block_mask(self, mask_mod, B=None, H=None, BLOCK_SIZE=128):
         """A ``BlockMask`` of ``mask_mod`` over the cache's logical positions.
@@ -355,6 +434,7 @@ class PagedKVCache:
         ``attention`` call (``b`` is the batch row of that call, ``h`` the query
         head; None broadcasts).
         """
+        from ..masks.block_mask import create_block_mask
         return create_block_mask(mask_mod, B, H, self.max_seq_len, self.max_seq_len,
                                  device=self.device, BLOCK_SIZE=BLOCK_SIZE)
 
@@ -370,14 +450,28 @@ class PagedKVCache:
 
 def paged_write_spec(k_cache, v_cache):
     """The paged_write kernel's spec for caches ``[pages, page_size, Hkv, D]`` / ``[..., Dv]``."""
+    from ..codegen.spec import kernel_spec
     return kernel_spec("paged_write", qk_head=k_cache.shape[3], v_head=v_cache.shape[3],
                        dtype=DTYPES[k_cache.dtype], block_m=64 if k_cache.device.type != "cuda" else 32,
                        num_warps=4)
 
 
-def run_paged_write(k_cache, v_cache, key, value, page_table, slots, lengths, counts) -> None:
-    """Launch the paged_write kernel: ``counts[b]`` tokens of row ``b`` into sequence ``slots[b]``."""
+def run_paged_write(k_cache, v_cache, key, value, page_table, slots, lengths, counts, inv_freq=None,
+                    rotary_dim=0, interleaved=False, query=None):
+    """Launch the paged_write kernel: ``counts[b]`` tokens of row ``b`` into sequence ``slots[b]``.
+
+    With ``inv_freq`` (RoPE, ``flexgen.kernels.rope``) the keys' first ``rotary_dim`` dims are
+    rotated at their positions; returns ``query`` rotated the same way (an empty tensor
+    without a query, None without RoPE)."""
+    from ..runtime import launch
     spec = paged_write_spec(k_cache, v_cache)
+    rope = {}
+    q_out = None
+    if inv_freq is not None:
+        q_out = torch.empty_like(query) if query is not None else key.new_empty((0,))
+        rope = dict(inv_freq=inv_freq, rotary_dim=rotary_dim, interleaved=interleaved, query=query,
+                    q_out=q_out if query is not None else None)
     launch.run(spec, k_cache.device, dict(k_new=key, v_new=value, k_cache=k_cache, v_cache=v_cache,
                                           page_table=page_table, slots=slots, lengths=lengths,
-                                          count=counts))
+                                          count=counts, **rope))
+    return q_out

@@ -15,11 +15,19 @@ from __future__ import annotations
 import torch
 
 from ..errors import expected, reported
-from ..frontend.trace import trace_cached
 from ..mods.combinators import noop_mask
-from . import bounds, torch_compat
+from .states import FULL, PARTIAL
+from . import torch_compat
 from .builder import fill_lists, hits_of_states, layout
 from .torch_compat import LIST_NAMES
+
+
+def trace_cached(mod, kind: str):
+    """``flexgen.frontend.trace.trace_cached``, imported on first use (``import flexgen`` stays cheap)."""
+    from ..frontend.trace import trace_cached as trace
+    return trace(mod, kind)
+
+
 # torch's marker for "no block mask" (its _create_empty_block_mask): BLOCK_SIZE of 2**30.
 LARGE_SPARSE_BLOCK = 1 << 30
 
@@ -169,7 +177,7 @@ class BlockMask:
         nkv = self.kv_indices.shape[-1]
         partial = torch_compat.dense_of(self.kv_num_blocks, self.kv_indices, nkv)
         full = torch_compat.dense_of(self.full_kv_num_blocks, self.full_kv_indices, nkv)
-        return (partial * bounds.PARTIAL + full * bounds.FULL).to(torch.int8)
+        return (partial * PARTIAL + full * FULL).to(torch.int8)
 
     def sparsity(self) -> float:
         """Percentage of the ``[B, H, Q_LEN, KV_LEN]`` score elements not computed, as torch

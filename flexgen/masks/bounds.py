@@ -29,7 +29,7 @@ from sympy.core.function import UndefinedFunction
 
 from ..frontend.expr import INDEX_SYMBOLS, is_bool
 
-EMPTY, PARTIAL, FULL, UNDECIDED = 0, 1, 2, 3
+from .states import EMPTY, FULL, PARTIAL, UNDECIDED  # noqa: F401
 INF = math.inf
 _INDEX_SET = frozenset(INDEX_SYMBOLS.values())
 
@@ -476,3 +476,8 @@ def _fold(fn, flags, out=None):
 
 def _finite_number(e) -> bool:
     return bool(e.is_Number and e.is_finite)
+
+
+def compile_flags(expr, buffers) -> tuple | None:
+    """The block-bounds program of a canonical mask (placeholder: None, no program)."""
+    return None

@@ -15,13 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..codegen.spec import KernelSpec
-from ..frontend.bounds_check import check_call_indices
-from ..frontend.lowering import buffer_map, lower
-from ..frontend.trace import TracedMod
-from ..runtime import launch
-from ..runtime.checks import check_buffers
-from . import bounds, mask_eval
+from ..runtime.checks import may_cache
+from .states import FULL, PARTIAL
 
 # Lists start on 16-byte boundaries (kernels specialize on pointer alignment): offsets
 # are multiples of 4 int32 elements.
@@ -105,9 +100,10 @@ def hits_of_states(states: torch.Tensor) -> torch.Tensor:
     """int32 ``[2, B, H, NQ, NKV]``: ``states == PARTIAL`` and ``states == FULL``."""
     values = _STATE_VALUES.get(states.device)
     if values is None:
-        values = torch.tensor([bounds.PARTIAL, bounds.FULL], dtype=torch.int8,
+        values = torch.tensor([PARTIAL, FULL], dtype=torch.int8,
                               device=states.device).view(2, 1, 1, 1, 1)
-        _STATE_VALUES[states.device] = values
+        if may_cache(states.device):
+            _STATE_VALUES[states.device] = values
     hit = torch.empty((2, *states.shape), dtype=torch.int32, device=states.device)
     return torch.eq(states, values, out=hit)
 
@@ -121,6 +117,8 @@ def block_hits(lowered, traced, B, H, Q_LEN, KV_LEN, q_block, kv_block, device) 
     pass's partial and full rows. No int8 state tensor is built, and no
     lookup of its values follows.
     """
+    from ..frontend.lowering import buffer_map
+    from . import bounds
     shape = (B, H, -(-Q_LEN // q_block), -(-KV_LEN // kv_block))
     hit = torch.empty((2, *shape), dtype=torch.int32, device=device)
     undecided, full = hit.unbind(0)
@@ -136,8 +134,9 @@ def block_hits(lowered, traced, B, H, Q_LEN, KV_LEN, q_block, kv_block, device) 
     return hit
 
 
-def block_mask_spec(lowered) -> KernelSpec:
-    """The block-mask builder kernel's spec for a lowered mask_mod (its snippet and buffers)."""
+def block_mask_spec(lowered):
+    """The block-mask builder kernel's ``KernelSpec`` for a lowered mask_mod (its snippet and buffers)."""
+    from ..codegen.spec import KernelSpec
     return KernelSpec("block_mask", mask=lowered.snippet, mask_buffers=lowered.buffers, num_warps=4)
 
 
@@ -148,6 +147,8 @@ def _classify_undecided(lowered, traced, blocks, Q_LEN, KV_LEN, q_block, kv_bloc
     costs no kernel compile; many, or a mask the torch path cannot run, go
     to the generated block-mask kernel.
     """
+    from ..runtime import launch
+    from . import mask_eval
     if blocks.shape[0] * q_block * kv_block <= mask_eval.TORCH_MAX_ELEMENTS:
         try:
             return mask_eval.classify_blocks(lowered, traced.buffers, blocks, Q_LEN, KV_LEN,
@@ -167,6 +168,10 @@ def build(mask_buffers, mask_mod: str, B: int, H: int, Q_LEN: int, KV_LEN: int, 
           KV_BLOCK: int, device) -> torch.Tensor:
     """The lists of a mask_mod (its program text and captured tensors) over
     ``[B, H, Q_LEN, KV_LEN]`` in blocks of ``Q_BLOCK x KV_BLOCK``, laid out by ``layout``."""
+    from ..frontend.bounds_check import check_call_indices
+    from ..frontend.lowering import lower
+    from ..frontend.trace import TracedMod
+    from ..runtime.checks import check_buffers
     traced = TracedMod.from_graph(mask_mod, mask_buffers)
     check_buffers(traced, device, like="the mask")
     lowered = lower(traced)

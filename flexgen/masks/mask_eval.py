@@ -25,6 +25,7 @@ import operator
 
 import torch
 
+from ..runtime.checks import may_cache
 from . import bounds
 
 # Undecided blocks are evaluated in chunks of at most this many mask elements,
@@ -490,7 +491,9 @@ def _offsets(block: int, device) -> torch.Tensor:
     key = (device, block)
     t = _OFFSETS.get(key)
     if t is None:
-        t = _OFFSETS[key] = torch.arange(block, dtype=torch.int32, device=device)
+        t = torch.arange(block, dtype=torch.int32, device=device)
+        if may_cache(device):
+            _OFFSETS[key] = t
     return t
 
 

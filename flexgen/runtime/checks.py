@@ -54,3 +54,16 @@ def check_buffers(traced, device, like: str = "the query") -> None:
             raise InputError(f"{traced.kind} '{traced.name}': captured tensor {i} (shape {list(t.shape)}) "
                              f"is on {t.device}, expected {device} like {like}. "
                              f"Fix: move it with .to('{device}')")
+
+
+def may_cache(device: torch.device) -> bool:
+    """Whether a tensor made now on ``device`` may be kept in a module-level cache.
+
+    Not while torch.compile's CUDA graphs (mode="reduce-overhead") warm up or capture:
+    both run on the graph manager's own stream, whose allocations belong to the graph's
+    memory pool, and a tensor that outlives the graph's outputs there is refused
+    ("tensors in the cudagraph pool not tracked as outputs"). Off the default stream
+    nothing is cached: such a call makes its small tensors again.
+    """
+    device = torch.device(device)
+    return device.type != "cuda" or torch.cuda.current_stream(device) == torch.cuda.default_stream(device)

@@ -58,6 +58,13 @@ def _on_device(buffers, device) -> list:
 
 # ---------------------------------------------------------------------------------- attention
 
+def _grad_outputs(query, dq, dk, dv, grads, grad_slots, needs_kv) -> tuple:
+    """A backward op's outputs: (dq, dk, dv (empty unless ``needs_kv``: ops return fixed
+    outputs), the gradients of the captured tensors in ``grad_slots``)."""
+    empty = torch.empty(0, dtype=query.dtype, device=query.device)
+    return dq, dk if needs_kv else empty, dv if needs_kv else empty.clone(), [grads[i] for i in grad_slots]
+
+
 @torch.library.custom_op("flexgen::attention", mutates_args=())
 def attention(query: Tensor, key: Tensor, value: Tensor, score_buffers: list[Tensor],
               mask_buffers: list[Tensor], block_lists: list[Tensor], score_mod: str, mask_mod: str,
@@ -161,8 +168,7 @@ def attention_backward(query: Tensor, key: Tensor, value: Tensor, out: Tensor, l
     dq, dk, dv, grads = _backward.run_backward(
         bw, plan, query, key, value, out, lse, grad_out, grad_lse, score_buffers, mask_buffers,
         block_lists, needs_kv)
-    empty = torch.empty(0, dtype=query.dtype, device=device)
-    return dq, dk if needs_kv else empty, dv if needs_kv else empty.clone(), [grads[i] for i in grad_slots]
+    return _grad_outputs(query, dq, dk, dv, grads, grad_slots, needs_kv)
 
 
 @attention_backward.register_fake
@@ -196,33 +202,52 @@ def decode(query: Tensor, key: Tensor, value: Tensor, score_buffers: list[Tensor
            mask_buffers: list[Tensor], block_lists: list[Tensor], kv_lengths: Tensor,
            q_offsets: Tensor | None, q_lengths: Tensor, page_table: Tensor | None, score_mod: str,
            mask_mod: str, block_size: list[int], mask_lengths: list[int], scale: float,
-           enable_gqa: bool, options: str, max_kv_len: int) -> tuple[Tensor, Tensor]:
+           enable_gqa: bool, options: str, max_kv_len: int, q_rows: Tensor | None = None,
+           max_q_len: int = 0) -> tuple[Tensor, Tensor]:
     """decode_attention: (out [B, Hq, Lq, Dv], lse [B, Hq, Lq]) for a few queries per sequence
-    against contiguous or paged K/V (``flexgen.kernels.decode``)."""
+    against contiguous or paged K/V (``flexgen.kernels.decode``). With ``q_rows`` (int32
+    [B + 1]: each sequence's first row) the queries are packed, ``[total_q, Hq, D]`` with at
+    most ``max_q_len`` per sequence, and so are the outputs: (out [total_q, Hq, Dv], lse
+    [Hq, total_q])."""
     return _decode(query, key, value, score_buffers, mask_buffers, block_lists, kv_lengths,
                    q_offsets, q_lengths, page_table, score_mod, mask_mod, block_size, mask_lengths,
-                   scale, enable_gqa, options, max_kv_len)
+                   scale, enable_gqa, options, max_kv_len, q_rows, max_q_len)
+
+
+def _decode_plan(query, key, value, score_buffers, mask_buffers, block_lists, page_table, score_mod,
+                 mask_mod, block_size, mask_lengths, enable_gqa, options, q_rows, max_q_len):
+    """The decode plan; packed queries are planned as the [B, Hq, max_q_len, D] view the kernel
+    addresses (``kernels.decode.packed_view``)."""
+    if q_rows is not None:
+        from ..kernels.decode import packed_view
+        query = packed_view(query, q_rows.shape[0] - 1, max(1, max_q_len))
+    return plan_decode_call(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers,
+                            block_lists, block_size, mask_lengths, page_table, enable_gqa, options)
 
 
 def _decode(query, key, value, score_buffers, mask_buffers, block_lists, kv_lengths, q_offsets,
             q_lengths, page_table, score_mod, mask_mod, block_size, mask_lengths, scale, enable_gqa,
-            options, max_kv_len):
+            options, max_kv_len, q_rows=None, max_q_len=0):
     device = query.device
     score_buffers, mask_buffers = _on_device(score_buffers, device), _on_device(mask_buffers, device)
-    plan = plan_decode_call(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers,
-                            block_lists, block_size, mask_lengths, page_table, enable_gqa, options)
+    plan = _decode_plan(query, key, value, score_buffers, mask_buffers, block_lists, page_table, score_mod,
+                        mask_mod, block_size, mask_lengths, enable_gqa, options, q_rows, max_q_len)
     return run_decode(plan, query, key, value, score_buffers, mask_buffers,
                       block_lists[:4] if block_lists else None, kv_lengths, q_offsets, q_lengths,
-                      page_table, scale, max_kv_len)
+                      page_table, scale, max_kv_len, q_rows=q_rows, longest=max(1, max_q_len))
 
 
 @decode.register_fake
 def _decode_fake(query, key, value, score_buffers, mask_buffers, block_lists, kv_lengths, q_offsets,
                  q_lengths, page_table, score_mod, mask_mod, block_size, mask_lengths, scale,
-                 enable_gqa, options, max_kv_len):
+                 enable_gqa, options, max_kv_len, q_rows=None, max_q_len=0):
     if all(isinstance(n, int) for t in (query, key, value) for n in t.shape):
-        plan_decode_call(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers,
-                         block_lists, block_size, mask_lengths, page_table, enable_gqa, options)
+        _decode_plan(query, key, value, score_buffers, mask_buffers, block_lists, page_table, score_mod,
+                     mask_mod, block_size, mask_lengths, enable_gqa, options, q_rows, max_q_len)
+    if q_rows is not None:
+        total_q, Hq = query.shape[:2]
+        return (query.new_empty((total_q, Hq, value.shape[-1])),
+                query.new_empty((Hq, total_q), dtype=torch.float32))
     B, Hq, Lq = query.shape[:3]
     return (query.new_empty((B, Hq, Lq, value.shape[-1])),
             query.new_empty((B, Hq, Lq), dtype=torch.float32))
@@ -260,9 +285,38 @@ def call_paged_write(*args) -> None:
     return torch.ops.flexgen.paged_write(*args)
 
 
+@torch.library.custom_op("flexgen::paged_write_rope", mutates_args=("k_cache", "v_cache"))
+def paged_write_rope(k_cache: Tensor, v_cache: Tensor, key: Tensor, value: Tensor, page_table: Tensor,
+                     slots: Tensor, lengths: Tensor, counts: Tensor, inv_freq: Tensor, rotary_dim: int,
+                     interleaved: bool, query: Tensor | None) -> Tensor:
+    """``paged_write`` with RoPE: the keys rotated at their positions on the way in
+    (``flexgen.kernels.rope``); returns ``query`` rotated the same way (or an empty tensor)."""
+    from ..kernels.paged import run_paged_write
+    return run_paged_write(k_cache, v_cache, key, value, page_table, slots, lengths, counts,
+                           inv_freq, rotary_dim, interleaved, query)
+
+
+@paged_write_rope.register_fake
+def _paged_write_rope_fake(k_cache, v_cache, key, value, page_table, slots, lengths, counts, inv_freq,
+                           rotary_dim, interleaved, query):
+    return torch.empty_like(query) if query is not None else key.new_empty((0,))
+
+
+def call_paged_write_rope(*args) -> Tensor:
+    """``paged_write_rope``, straight to its implementation where nothing needs the op (``_eager``)."""
+    query = args[-1]
+    if _eager(*args[:9], *(() if query is None else (query,))):
+        from ..kernels.paged import run_paged_write
+        return run_paged_write(*args)
+    return torch.ops.flexgen.paged_write_rope(*args)
+
+
 # ---------------------------------------------------------------------------------- block masks
 
-@torch.library.custom_op("flexgen::block_mask", mutates_args=())
+# cudagraph_unsafe: building the lists reads values back to the host (the element-wise
+# pass visits only the blocks it must), which a CUDA graph capture cannot contain; under
+# mode="reduce-overhead" torch.compile runs this op outside its graphs.
+@torch.library.custom_op("flexgen::block_mask", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def block_mask(mask_buffers: list[Tensor], mask_mod: str, B: int, H: int, Q_LEN: int, KV_LEN: int,
                Q_BLOCK: int, KV_BLOCK: int, device: torch.device) -> Tensor:
     """create_block_mask's lists, as one int32 tensor (``flexgen.masks.builder.layout``)."""
@@ -387,8 +441,7 @@ def sigmoid_attention_backward(query: Tensor, key: Tensor, value: Tensor, grad_o
     bw = plan_sigmoid_backward(*args, tuple(grad_slots))
     dq, dk, dv, grads = run_sigmoid_backward(bw, plan, query, key, value, grad_out, score_buffers,
                                              mask_buffers, block_lists, bias, needs_kv)
-    empty = torch.empty(0, dtype=query.dtype, device=device)
-    return dq, dk if needs_kv else empty, dv if needs_kv else empty.clone(), [grads[i] for i in grad_slots]
+    return _grad_outputs(query, dq, dk, dv, grads, grad_slots, needs_kv)
 
 
 @sigmoid_attention_backward.register_fake
@@ -413,6 +466,141 @@ def call_sigmoid_attention(query, key, value, score_buffers, mask_buffers, block
             t.requires_grad for t in (query, key, value, *score_buffers)):
         check_sigmoid_backward(*args)
     return torch.ops.flexgen.sigmoid_attention(*args)
+
+
+# ---------------------------------------------------------------------------------- varlen attention
+#
+#     varlen_attention(q, k, v, cu_q, cu_k, score_buffers, mask_buffers, score_mod, mask_mod,
+#                      scale, enable_gqa, options) -> (out [total_q, Hq, Dv], lse [Hq, total_q])
+#     varlen_attention_backward(q, k, v, out, lse, grad_out?, grad_lse?, cu_q, cu_k, ...,
+#                               grad_slots, needs_kv) -> (dq, dk, dv, buffer grads)
+#
+# Packed sequences: the mods see b = the sequence, positions inside it (``plan_varlen``).
+
+def _varlen_plan(query, key, value, cu_q, cu_k, score_buffers, mask_buffers, score_mod, mask_mod,
+                 scale, enable_gqa, options):
+    from .plan import plan_varlen
+    return plan_varlen(query, key, value, cu_q, cu_k, score_mod, score_buffers, mask_mod, mask_buffers,
+                       scale, enable_gqa, options)
+
+
+@torch.library.custom_op("flexgen::varlen_attention", mutates_args=())
+def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Tensor,
+                     cu_seqlens_k: Tensor, score_buffers: list[Tensor], mask_buffers: list[Tensor],
+                     score_mod: str, mask_mod: str, scale: float, enable_gqa: bool,
+                     options: str) -> tuple[Tensor, Tensor]:
+    """varlen_attention's forward: (out [total_q, Hq, Dv], lse [Hq, total_q] float32)."""
+    return _varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, score_buffers, mask_buffers,
+                             score_mod, mask_mod, scale, enable_gqa, options)
+
+
+def _varlen_attention(query, key, value, cu_q, cu_k, score_buffers, mask_buffers, score_mod, mask_mod,
+                      scale, enable_gqa, options):
+    from ..kernels.varlen import run_varlen
+    device = query.device
+    score_buffers, mask_buffers = _on_device(score_buffers, device), _on_device(mask_buffers, device)
+    plan = _varlen_plan(query, key, value, cu_q, cu_k, score_buffers, mask_buffers, score_mod, mask_mod,
+                        scale, enable_gqa, options)
+    return run_varlen(plan, query, key, value, cu_q, cu_k, score_buffers, mask_buffers)
+
+
+@varlen_attention.register_fake
+def _varlen_attention_fake(query, key, value, cu_q, cu_k, score_buffers, mask_buffers, score_mod,
+                           mask_mod, scale, enable_gqa, options):
+    if all(isinstance(n, int) for t in (query, key, value, cu_q) for n in t.shape):
+        _varlen_plan(query, key, value, cu_q, cu_k, score_buffers, mask_buffers, score_mod, mask_mod,
+                     scale, enable_gqa, options)
+    total_q, Hq = query.shape[:2]
+    return (query.new_empty((total_q, Hq, value.shape[2])),
+            query.new_empty((Hq, total_q), dtype=torch.float32))
+
+
+def check_varlen_backward(query, key, value, cu_q, cu_k, score_buffers, mask_buffers, score_mod,
+                          mask_mod, scale, enable_gqa, options):
+    """Plan the backward of a call whose inputs require grad: GradientError now, not in backward()."""
+    from .plan import plan_varlen_backward
+    plan = _varlen_plan(query, key, value, cu_q, cu_k, score_buffers, mask_buffers, score_mod, mask_mod,
+                        scale, enable_gqa, options)
+    plan_varlen_backward(plan, query, key, value, _backward.grad_slots(score_buffers))
+
+
+def _setup_varlen(ctx, inputs, output):
+    (query, key, value, cu_q, cu_k, score_buffers, mask_buffers, *rest) = inputs
+    if all(isinstance(n, int) for t in (query, key, value) for n in t.shape):
+        check_varlen_backward(*inputs)
+    out, lse = output
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(query, key, value, out, lse, cu_q, cu_k, *score_buffers, *mask_buffers)
+    ctx.counts = (len(score_buffers), len(mask_buffers))
+    ctx.rest = tuple(rest)                    # score_mod ... options
+    ctx.grad_slots = _backward.grad_slots(score_buffers)
+
+
+def _varlen_grad(ctx, grad_out, grad_lse):
+    query, key, value, out, lse, cu_q, cu_k, *saved = ctx.saved_tensors
+    ns, nm = ctx.counts
+    score_buffers, mask_buffers = saved[:ns], saved[ns:]
+    needs = ctx.needs_input_grad
+    slots = [i for i in ctx.grad_slots if needs[5][i]]
+    grads = [None] * ns
+    dq = dk = dv = None
+    if grad_out is not None or grad_lse is not None:
+        dq, dk, dv, buffer_grads = varlen_attention_backward(
+            query, key, value, out, lse, grad_out, grad_lse, cu_q, cu_k, list(score_buffers),
+            list(mask_buffers), *ctx.rest, slots, needs[1] or needs[2])
+        for slot, g in zip(slots, buffer_grads):
+            grads[slot] = g
+    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None, None, None,
+            grads, [None] * nm, None, None, None, None, None)
+
+
+varlen_attention.register_autograd(_varlen_grad, setup_context=_setup_varlen)
+
+
+@torch.library.custom_op("flexgen::varlen_attention_backward", mutates_args=())
+def varlen_attention_backward(query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
+                              grad_out: Tensor | None, grad_lse: Tensor | None, cu_seqlens_q: Tensor,
+                              cu_seqlens_k: Tensor, score_buffers: list[Tensor],
+                              mask_buffers: list[Tensor], score_mod: str, mask_mod: str, scale: float,
+                              enable_gqa: bool, options: str, grad_slots: list[int],
+                              needs_kv: bool) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """varlen_attention's backward: (dq, dk, dv (empty unless ``needs_kv``), gradients of the
+    captured tensors in ``grad_slots``, in that order)."""
+    from ..kernels.varlen import run_varlen_backward
+    from .plan import plan_varlen_backward
+    device = query.device
+    score_buffers, mask_buffers = _on_device(score_buffers, device), _on_device(mask_buffers, device)
+    plan = _varlen_plan(query, key, value, cu_seqlens_q, cu_seqlens_k, score_buffers, mask_buffers,
+                        score_mod, mask_mod, scale, enable_gqa, options)
+    bw = plan_varlen_backward(plan, query, key, value, tuple(grad_slots))
+    dq, dk, dv, grads = run_varlen_backward(bw, plan, query, key, value, out, lse, grad_out, grad_lse,
+                                            cu_seqlens_q, cu_seqlens_k, score_buffers, mask_buffers,
+                                            needs_kv)
+    return _grad_outputs(query, dq, dk, dv, grads, grad_slots, needs_kv)
+
+
+@varlen_attention_backward.register_fake
+def _varlen_attention_backward_fake(query, key, value, out, lse, grad_out, grad_lse, cu_q, cu_k,
+                                    score_buffers, mask_buffers, score_mod, mask_mod, scale, enable_gqa,
+                                    options, grad_slots, needs_kv):
+    empty = query.new_empty((0,))
+    return (torch.empty_like(query, memory_format=torch.contiguous_format),
+            key.new_empty(key.shape) if needs_kv else empty,
+            value.new_empty(value.shape) if needs_kv else query.new_empty((0,)),
+            [torch.empty_like(score_buffers[i]) for i in grad_slots])
+
+
+def call_varlen_attention(query, key, value, cu_q, cu_k, score_buffers, mask_buffers, score_mod,
+                          mask_mod, scale, enable_gqa, options):
+    """``varlen_attention``, straight to its implementation where nothing needs the op (``_eager``)."""
+    args = (query, key, value, cu_q, cu_k, list(score_buffers), list(mask_buffers), score_mod, mask_mod,
+            scale, enable_gqa, options)
+    if _eager(query, key, value, *score_buffers, *mask_buffers):
+        return _varlen_attention(*args)
+    if not torch.compiler.is_compiling() and torch.is_grad_enabled() and any(
+            t.requires_grad for t in (query, key, value, *score_buffers)):
+        check_varlen_backward(*args)
+    return torch.ops.flexgen.varlen_attention(*args)
 
 
 # ---------------------------------------------------------------------------------- linear attention
@@ -603,7 +791,9 @@ def call_linear_attention_decode(*args):
 
 
 __all__ = ["attention", "attention_backward", "decode", "paged_write", "block_mask",
-           "call_attention", "call_decode", "call_paged_write", "call_block_mask",
+           "call_attention", "call_decode", "call_paged_write", "call_block_mask", "paged_write_rope",
+           "call_paged_write_rope",
            "sigmoid_attention", "sigmoid_attention_backward", "call_sigmoid_attention",
            "linear_attention", "linear_attention_backward", "linear_attention_decode",
-           "call_linear_attention", "call_linear_attention_decode"]
+           "call_linear_attention", "call_linear_attention_decode", "varlen_attention",
+           "varlen_attention_backward", "call_varlen_attention"]

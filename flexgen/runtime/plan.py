@@ -25,7 +25,6 @@ import torch
 
 from ..codegen.spec import KernelSpec, dot_precision, kernel_spec, mod_fields
 from ..errors import expected
-from ..frontend.bounds_check import check_call_indices
 from ..frontend.lowering import lower
 from ..frontend.trace import TracedMod
 from ..kernels.decode import decode_geometry, deep_stages, next_pow2
@@ -162,7 +161,7 @@ def check_mask(info: Mask | None, mask: object, B: int, Hq: int, Lq: int, Lkv: i
     if mask is not None:
         # A mask built once for every head (H=None) whose mod reads h was classified with
         # h = 0: other heads would get head 0's blocks. Refuse it rather than guess.
-        free = {s.name for s in mask.expr.free_symbols}
+        free = mask.free
         for index, size, mine, arg in (("b", info.batch, B, "B"), ("h", info.heads, Hq, "H")):
             if index in free and size == 1 and mine > 1:
                 raise expected("block_mask", f"a mask built per {'batch row' if index == 'b' else 'head'} "
@@ -263,8 +262,11 @@ def _plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_
         if traced is not None:
             check_captured(traced, device)
     check_mask(info, mask, B, Hq, Lq, Lkv)
-    # Captured tensors indexed outside their bounds raise, as torch's indexing would.
-    check_call_indices(score_traced, mask_traced, B, Hq, Lq, Lkv)
+    if any(t is not None and t.buffers for t in (score_traced, mask_traced)):
+        # Captured tensors indexed outside their bounds raise, as torch's indexing would
+        # (imported here: sympy, which a warm restart of mods without tensors never loads).
+        from ..frontend.bounds_check import check_call_indices
+        check_call_indices(score_traced, mask_traced, B, Hq, Lq, Lkv)
     if info is not None and mask_traced is None:
         raise expected("block_mask", "a mask with its mask_mod", "lists without a mask_mod",
                        "build it with create_block_mask (or give BlockMask.mask_mod)")
@@ -447,6 +449,115 @@ def plan_backward(plan: AttentionPlan, query, key, value, grad_slots: tuple):
             dtype=DTYPES[plan.dtype], has_block_mask=info is not None,
             dot_precision=dot_precision(query), use_tma=use_tma, dq_tiles=dq, dkdv_tiles=dkdv,
             tune_blocks=None if opts.sets_tiles else (sparse_q, sparse_kv), deterministic=deterministic)
+    return hit
+
+
+# ---------------------------------------------------------------------------------- varlen attention
+#
+# varlen_attention packs sequences along one axis ([total, H, D] with int32 offsets). Its plan
+# is flex_attention's for the packed tensors viewed as one batch row [1, H, total, D] (views,
+# no copy): the same checks, lowering, tiles and backward derivation, with every spec switched
+# to its varlen form (the mask's band in place of block lists, the sequences found on the
+# device from the offsets).
+
+_VARLEN: dict = {}
+
+
+@dataclass
+class VarlenPlan:
+    """A checked ``varlen_attention`` call: flex_attention's plan of the packed views, and its
+    varlen forward spec."""
+    base: AttentionPlan
+    spec: KernelSpec
+    num_seqs: int
+    backward: dict = field(default_factory=dict, repr=False)
+
+
+def packed_view(t):
+    """[total, H, D] as the [1, H, total, D] view flex_attention's planner reads (no copy)."""
+    return t.unsqueeze(0).transpose(1, 2)
+
+
+def check_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k) -> None:
+    """query [total_q, Hq, D], key / value [total_k, Hkv, D(v)], offsets int32 [num_seqs + 1]
+    on the query's device (their values are not read: no host synchronization)."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            got = f"shape {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise expected(name, "a 3-D tensor [total_tokens, H, D] (sequences packed along dim 0)",
+                           got, "pack the sequences with torch.cat along the token dim")
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32:
+            got = (f"{t.dtype} shape {list(t.shape)}" if isinstance(t, torch.Tensor)
+                   else type(t).__name__)
+            raise expected(name, "a 1-D int32 tensor [num_seqs + 1] of start offsets", got,
+                           f"pass torch.tensor([0, len0, len0 + len1, ...], dtype=torch.int32)")
+        if t.shape[0] < 2:
+            raise expected(name, "at least two offsets (one sequence)", list(t.shape),
+                           "start with 0 and end with the total token count")
+        if t.device != query.device:
+            raise expected(name, f"a tensor on the query's device {query.device}", t.device,
+                           f"{name}.to('{query.device}')")
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+        raise expected("cu_seqlens_k", f"{cu_seqlens_q.shape[0]} offsets like cu_seqlens_q",
+                       cu_seqlens_k.shape[0], "give one query and one key range per sequence")
+
+
+def plan_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, score_mod: str, score_buffers,
+                mask_mod: str, mask_buffers, scale, enable_gqa: bool, options: str) -> VarlenPlan:
+    """Check a ``varlen_attention`` call and decide its kernel (memoized on what it reads)."""
+    memo = (_key(query, key, value, cu_seqlens_q, cu_seqlens_k), score_mod, _key(*score_buffers),
+            mask_mod, _key(*mask_buffers), scale, enable_gqa, options,
+            torch.backends.cuda.matmul.allow_tf32 if query.device.type == "cuda" else None)
+    return _memo(_VARLEN, memo, lambda: _plan_varlen(
+        query, key, value, cu_seqlens_q, cu_seqlens_k, score_mod, score_buffers, mask_mod,
+        mask_buffers, scale, enable_gqa, options))
+
+
+def _plan_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, score_mod, score_buffers, mask_mod,
+                 mask_buffers, scale, enable_gqa, options) -> VarlenPlan:
+    check_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k)
+    opts = KernelOptions.from_text(options)
+    if opts.BACKEND == "TRITON_DECODE":
+        raise expected("kernel_options['BACKEND']", "'AUTO' or 'TRITON' for varlen_attention",
+                       "'TRITON_DECODE'", "leave BACKEND out: varlen runs the forward kernel")
+    if opts.USE_TMA:
+        raise expected("kernel_options['USE_TMA']", "False or unset for varlen_attention", True,
+                       "leave USE_TMA out: packed sequences are read through pointers")
+    # The forward kernel always (a decode-length packed batch is still many sequences), by pointers.
+    forward = dataclasses.replace(opts, BACKEND="TRITON", USE_TMA=False).text
+    base = plan_attention(packed_view(query), packed_view(key), packed_view(value), score_mod,
+                          score_buffers, mask_mod, mask_buffers, (), (), (), scale, enable_gqa, forward)
+    return VarlenPlan(base, varlen_spec(base.spec, base.mask), cu_seqlens_q.shape[0] - 1)
+
+
+def varlen_spec(spec, mask):
+    """``spec`` (a forward or backward spec) in its varlen form, with ``mask``'s band."""
+    from ..codegen.spec import VarlenSpec
+    from ..kernels.backward import BackwardSpec, VarlenBackwardSpec
+    band = None if mask is None else mask.kv_range
+    lo, hi, exact = band if band is not None else (None, None, False)
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+    cls = VarlenBackwardSpec if isinstance(spec, BackwardSpec) else VarlenSpec
+    hit = _VARLEN.get(("spec", spec.key, lo, hi, exact))
+    if hit is None:
+        hit = _VARLEN[("spec", spec.key, lo, hi, exact)] = cls(
+            **fields, kv_lo=lo, kv_hi=hi, band_exact=bool(exact))
+    return hit
+
+
+def plan_varlen_backward(plan: VarlenPlan, query, key, value, grad_slots: tuple):
+    """The dQ and dK/dV kernels of a planned ``varlen_attention`` call: ``plan_backward``'s of
+    its packed views, in varlen form (memoized; GradientError as there)."""
+    memo = (grad_slots, torch.are_deterministic_algorithms_enabled())
+    hit = plan.backward.get(memo)
+    if hit is None:
+        bw = plan_backward(plan.base, packed_view(query), packed_view(key), packed_view(value),
+                           grad_slots)
+        mask = plan.base.mask
+        hit = plan.backward[memo] = dataclasses.replace(
+            bw, dq=varlen_spec(bw.dq, mask), dkdv=varlen_spec(bw.dkdv, mask), pointer=None,
+            tune_blocks=None)
     return hit
 
 
@@ -698,6 +809,7 @@ def clear_memos() -> None:
     _SIGMOID.clear()
     _SIGMOID_SPECS.clear()
     _LINEAR.clear()
+    _VARLEN.clear()
     from ..kernels.linear import clear_memos as clear_linear
     clear_linear()
     from ..kernels.decode import clear_memos as clear_decode
@@ -706,6 +818,7 @@ def clear_memos() -> None:
 
 __all__ = ["AttentionPlan", "DecodePlan", "Mask", "plan_attention", "plan_backward", "plan_decode",
            "plan_decode_call", "check_qkv", "plan_sigmoid", "plan_sigmoid_backward", "sigmoid_spec",
-           "plan_linear", "plan_linear_decode", "plan_linear_backward", "check_linear", "LINEAR_CHUNK",
+           "plan_linear", "plan_linear_decode", "plan_varlen", "plan_varlen_backward", "VarlenPlan",
+           "check_varlen", "packed_view", "plan_linear_backward", "check_linear", "LINEAR_CHUNK",
            "check_mask", "tiles", "out_strides", "TMA_MIN_SCORES", "MAX_DECODE_QUERIES",
            "LARGE_SPARSE_BLOCK", "clear_memos"]

@@ -29,16 +29,11 @@ import re
 import sys
 import threading
 
-import sympy
 import torch
 
 from ..codegen.spec import KernelSpec, pad_head_dim
 
 KERNELS = ("forward", "forward:transcendental", "forward:dense", "backward.dq", "backward.dkdv")
-# Score mods built on these keep more values live per score element (tanh's
-# temporaries, say): the widest tiles spill for them, so they have rows of their own.
-TRANSCENDENTAL = (sympy.tanh, sympy.exp, sympy.log, sympy.sin, sympy.cos, sympy.tan, sympy.atan,
-                  sympy.sinh, sympy.cosh, sympy.erf)
 FIELDS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "num_warps": "num_warps",
           "num_stages": "num_stages"}
 
@@ -100,16 +95,20 @@ def _gpu_name(index: int) -> str:
     return f"sm{major}{minor}"
 
 
-@functools.lru_cache(maxsize=1024)
-def _is_transcendental(expr) -> bool:
-    return expr.has(*TRANSCENDENTAL)
+def transcendental(expr) -> bool:
+    """Whether a canonical score_mod uses tanh, exp, log, ...: such mods keep more values live
+    per score element (tanh's temporaries, say), the widest tiles spill for them, so they
+    have rows of their own. (Recorded when the mod is lowered: no sympy on later calls.)"""
+    import sympy
+    return bool(expr.has(sympy.tanh, sympy.exp, sympy.log, sympy.sin, sympy.cos, sympy.tan,
+                         sympy.atan, sympy.sinh, sympy.cosh, sympy.erf))
 
 
 def forward_kernel(score, has_block_mask: bool = True) -> str:
     """The table's name for a forward kernel with this lowered score_mod (or None):
     "forward:transcendental" (a score_mod with tanh, exp, ...), else "forward" with a
     block mask and "forward:dense" without one (every kv tile full: no mask pass)."""
-    if score is not None and _is_transcendental(score.expr):
+    if score is not None and score.transcendental:
         return "forward:transcendental"
     return "forward" if has_block_mask else "forward:dense"
 

@@ -1,0 +1,97 @@
+"""Fast restarts: a second process that finds a known mod's kernels in the disk cache (and its
+lowered facts and module sources in the restart index, flexgen.codegen.index) runs the
+serving path's first calls without importing sympy or jinja2, and gets the same results."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+SCRIPT = r"""
+import json, sys, torch
+import flexgen
+imported_at_start = [m for m in ("sympy", "jinja2") if m in sys.modules]
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+def softcap(score, b, h, q_idx, kv_idx):
+    return 20.0 * torch.tanh(score / 20.0)
+
+torch.manual_seed(0)
+x = torch.randn(40, 2, 16)
+cu = torch.tensor([0, 9, 9, 40], dtype=torch.int32)
+packed = flexgen.varlen_attention(x, x, x, cu, cu, 31, 31, score_mod=softcap, mask_mod=causal)
+q = torch.randn(1, 2, 40, 16)
+dense = flexgen.flex_attention(q, q, q, score_mod=softcap)
+cache = flexgen.PagedKVCache(num_pages=4, page_size=16, num_kv_heads=2, head_dim=16, max_batch=1,
+                             max_pages_per_seq=4, dtype=torch.float32, device="cpu")
+slot = cache.add_sequence()
+k = torch.randn(1, 2, 5, 16)
+q_rot = cache.append([slot], k, k, rope=flexgen.RoPE(), query=torch.randn(1, 2, 5, 16))
+paged = cache.attention(q_rot, [slot], mask_mod=causal)
+print(json.dumps({"start": imported_at_start,
+                  "after": [m for m in ("sympy", "jinja2") if m in sys.modules],
+                  "sums": [float(t.double().sum()) for t in (packed, dense, paged)]}))
+"""
+
+
+def _run(cache_dir) -> dict:
+    env = dict(os.environ, FLEXGEN_CACHE_DIR=str(cache_dir))
+    env.pop("FLEXGEN_RESTART_INDEX", None)
+    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_warm_restart_needs_neither_sympy_nor_jinja(tmp_path):
+    cold = _run(tmp_path)
+    assert cold["start"] == [] and "sympy" in cold["after"]      # the first process lowers
+    warm = _run(tmp_path)
+    assert warm["start"] == [] and warm["after"] == [], warm
+    assert warm["sums"] == cold["sums"]
+
+
+WARMUP_MODULE = r"""
+import torch
+import flexgen
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+def calls():
+    x = torch.randn(24, 2, 16)
+    cu = torch.tensor([0, 7, 24], dtype=torch.int32)
+    return [lambda: flexgen.varlen_attention(x, x, x, cu, cu, 17, 17, mask_mod=causal),
+            lambda: flexgen.flex_attention(x.transpose(0, 1)[None], x.transpose(0, 1)[None],
+                                           x.transpose(0, 1)[None])]
+"""
+
+AFTER_WARMUP = r"""
+import sys, torch, flexgen
+sys.path.insert(0, "")
+from serving_mods import causal
+x = torch.randn(40, 2, 16)
+cu = torch.tensor([0, 30, 40], dtype=torch.int32)
+flexgen.varlen_attention(x, x, x, cu, cu, 30, 30, mask_mod=causal)
+print([m for m in ("sympy", "jinja2") if m in sys.modules])
+"""
+
+
+def test_warmup_cli_fills_the_caches(tmp_path):
+    (tmp_path / "serving_mods.py").write_text(WARMUP_MODULE)
+    env = dict(os.environ, FLEXGEN_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(tmp_path))
+    done = subprocess.run([sys.executable, "-m", "flexgen", "warmup", "serving_mods:calls", "--no-progress"],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 calls, 2 kernels" in done.stdout, done.stdout
+    # Other lengths, the same mods: a new process needs neither sympy nor jinja2.
+    after = subprocess.run([sys.executable, "-c", AFTER_WARMUP], env=env, cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300)
+    assert after.returncode == 0, after.stderr[-3000:]
+    assert after.stdout.strip().splitlines()[-1] == "[]"
+    bad = subprocess.run([sys.executable, "-m", "flexgen", "warmup", "serving_mods"], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "module:function" in bad.stderr

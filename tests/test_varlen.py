@@ -1,0 +1,156 @@
+"""flexgen.varlen_attention: packed sequences against the float64 oracle on the same sequences
+padded, forward and backward (mods reading b and positions, GQA, chunked prefill's
+bottom-right alignment, empty and length-1 sequences), the custom op under torch.compile,
+and the input errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexgen
+from flexgen import InputError
+from flexgen.reference import flex_attention_reference
+
+
+def offsets(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def pack(lengths, H, D, dtype=torch.float32):
+    return torch.randn(sum(lengths), H, D, dtype=dtype)
+
+
+def padded_reference(q, k, v, q_lens, k_lens, score_mod=None, mask_mod=None, scale=None,
+                     enable_gqa=False):
+    """(out [total_q, Hq, Dv], lse [Hq, total_q]) in float64 from flexgen's oracle over a padded
+    [B, H, L, D] batch: query i of sequence b at row i, its mods called at position
+    i + max(0, Lk - Lq), padded keys masked out. Differentiable in q, k, v."""
+    B = len(q_lens)
+    Lq, Lk = max(max(q_lens), 1), max(max(k_lens), 1)
+    shift = torch.tensor([max(0, lk - lq) for lq, lk in zip(q_lens, k_lens)])
+    k_len = torch.tensor(k_lens)
+
+    def scatter(x, lens, L):
+        rows = [(b, i) for b, n in enumerate(lens) for i in range(n)]
+        padded = x.new_zeros(B, L, *x.shape[1:])
+        if rows:
+            bi, ii = (torch.tensor(c) for c in zip(*rows))
+            padded = padded.index_put((bi, ii), x)
+        return padded.transpose(1, 2), rows
+
+    qp, q_rows = scatter(q.double(), q_lens, Lq)
+    kp, _ = scatter(k.double(), k_lens, Lk)
+    vp, _ = scatter(v.double(), k_lens, Lk)
+
+    def padded_mask(b, h, q_idx, kv_idx):
+        keep = kv_idx < k_len[b]
+        if mask_mod is not None:
+            keep = keep & mask_mod(b, h, q_idx + shift[b], kv_idx)
+        return keep
+
+    padded_score = None
+    if score_mod is not None:
+        def padded_score(score, b, h, q_idx, kv_idx):
+            return score_mod(score, b, h, q_idx + shift[b], kv_idx)
+
+    out, lse = flex_attention_reference(qp, kp, vp, padded_score, padded_mask, scale=scale,
+                                        enable_gqa=enable_gqa, return_lse=True)
+    if not q_rows:
+        return out.new_zeros(0, q.shape[1], v.shape[2]), lse.new_zeros(q.shape[1], 0)
+    bi, ii = (torch.tensor(c) for c in zip(*q_rows))
+    return out.transpose(1, 2)[bi, ii], lse[bi, :, ii].transpose(0, 1)
+
+
+# Several tiles per sequence, so the band's skipped, cut and full tiles all occur.
+SMALL_TILES = {"BLOCK_M": 16, "BLOCK_N": 16}
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def window(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx <= 5)
+
+
+def test_forward_plain_gqa_empty_and_single():
+    q_lens = k_lens = [5, 0, 1, 37, 20]
+    q, k, v = pack(q_lens, 4, 16), pack(k_lens, 2, 16), pack(k_lens, 2, 16)
+    out, lse = flexgen.varlen_attention(q, k, v, offsets(q_lens), offsets(k_lens), 37, 37,
+                                        enable_gqa=True, return_lse=True)
+    ref, ref_lse = padded_reference(q, k, v, q_lens, k_lens, enable_gqa=True)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=2e-5)
+
+
+def test_chunked_prefill_mods_see_sequence_and_positions():
+    # Fewer queries than keys (a prefill chunk after a cached prefix): bottom-right aligned.
+    # A sequence with keys and no queries, one with queries and no keys (rows fully masked).
+    q_lens, k_lens = [3, 0, 1, 20, 4], [10, 4, 1, 45, 0]
+    q, k, v = pack(q_lens, 2, 16), pack(k_lens, 2, 16), pack(k_lens, 2, 32)
+    per_seq = torch.randn(len(q_lens))
+
+    def softcap_bias(score, b, h, q_idx, kv_idx):
+        return 8.0 * torch.tanh(score / 8.0) + per_seq[b] + 0.01 * (q_idx - kv_idx)
+
+    out, lse = flexgen.varlen_attention(q, k, v, offsets(q_lens), offsets(k_lens), 20, 45,
+                                        score_mod=softcap_bias, mask_mod=causal, return_lse=True,
+                                        kernel_options=SMALL_TILES)
+    ref, ref_lse = padded_reference(q, k, v, q_lens, k_lens, softcap_bias, causal)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=2e-5)
+    assert torch.isneginf(lse[:, -4:]).all() and (out[-4:] == 0).all()
+
+
+def test_backward_window_learned_bias_gqa():
+    q_lens, k_lens = [33, 1, 0, 18], [40, 1, 3, 18]
+    q, k, v = pack(q_lens, 4, 16), pack(k_lens, 2, 16), pack(k_lens, 2, 16)
+    bias = torch.randn(4) * 0.5
+    for t in (q, k, v, bias):
+        t.requires_grad_(True)
+
+    def head_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+
+    out = flexgen.varlen_attention(q, k, v, offsets(q_lens), offsets(k_lens), 33, 40,
+                                   score_mod=head_bias, mask_mod=window, enable_gqa=True,
+                                   kernel_options=SMALL_TILES)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v, bias), grad)
+    leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v, bias)]
+
+    def head_bias64(score, b, h, q_idx, kv_idx):
+        return score + leaves[3][h]
+
+    ref, _ = padded_reference(*leaves[:3], q_lens, k_lens, head_bias64, window, enable_gqa=True)
+    want = torch.autograd.grad(ref, leaves, grad.double())
+    torch.testing.assert_close(out.detach().double(), ref.detach(), atol=2e-5, rtol=2e-5)
+    for name, g, w in zip("q k v bias".split(), got, want):
+        torch.testing.assert_close(g.double(), w, atol=1e-4, rtol=1e-4, msg=lambda m: f"d{name}: {m}")
+
+
+def test_compiled_op_forward_and_backward():
+    q_lens = k_lens = [7, 0, 12]
+    q, k, v = (pack(k_lens, 2, 16).requires_grad_(True) for _ in range(3))
+    cu = offsets(q_lens)
+
+    def step(q, k, v):
+        return flexgen.varlen_attention(q, k, v, cu, cu, 12, 12, mask_mod=causal).sum()
+
+    loss = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v)
+    loss.backward()
+    ref, _ = padded_reference(q.detach(), k.detach(), v.detach(), q_lens, k_lens, mask_mod=causal)
+    torch.testing.assert_close(loss.double(), ref.sum(), atol=1e-4, rtol=1e-4)
+    assert q.grad is not None and k.grad is not None
+
+
+def test_errors_name_the_argument():
+    q = pack([4], 2, 16)
+    with pytest.raises(InputError, match="cu_seqlens_q.*int32"):
+        flexgen.varlen_attention(q, q, q, torch.tensor([0, 4]), offsets([4]), 4, 4)
+    with pytest.raises(InputError, match="cu_seqlens_k.*offsets like cu_seqlens_q"):
+        flexgen.varlen_attention(q, q, q, offsets([4]), offsets([2, 2]), 4, 4)
+    with pytest.raises(InputError, match=r"query.*\[total_tokens, H, D\]"):
+        flexgen.varlen_attention(q[None], q, q, offsets([4]), offsets([4]), 4, 4)
+    with pytest.raises(InputError, match="max_seqlen_q"):
+        flexgen.varlen_attention(q, q, q, offsets([4]), offsets([4]), torch.tensor(4), 4)
