@@ -448,6 +448,14 @@ class PagedKVCache:
         return k.permute(1, 0, 2).contiguous(), v.permute(1, 0, 2).contiguous()
 
 
+def paged_write_spec(k_cache, v_cache):
+    """The paged_write kernel's spec for caches ``[pages, page_size, Hkv, D]`` / ``[..., Dv]``."""
+    from ..codegen.spec import kernel_spec
+    return kernel_spec("paged_write", qk_head=k_cache.shape[3], v_head=v_cache.shape[3],
+                       dtype=DTYPES[k_cache.dtype], block_m=64 if k_cache.device.type != "cuda" else 32,
+                       num_warps=4)
+
+
 def run_paged_write(k_cache, v_cache, key, value, page_table, slots, lengths, counts, inv_freq=None,
                     rotary_dim=0, interleaved=False, query=None):
     """Launch the paged_write kernel: ``counts[b]`` tokens of row ``b`` into sequence ``slots[b]``.
@@ -455,11 +463,8 @@ def run_paged_write(k_cache, v_cache, key, value, page_table, slots, lengths, co
     With ``inv_freq`` (RoPE, ``flexgen.kernels.rope``) the keys' first ``rotary_dim`` dims are
     rotated at their positions; returns ``query`` rotated the same way (an empty tensor
     without a query, None without RoPE)."""
-    from ..codegen.spec import kernel_spec
     from ..runtime import launch
-    spec = kernel_spec("paged_write", qk_head=k_cache.shape[3], v_head=v_cache.shape[3],
-                       dtype=DTYPES[k_cache.dtype], block_m=64 if k_cache.device.type != "cuda" else 32,
-                       num_warps=4)
+    spec = paged_write_spec(k_cache, v_cache)
     rope = {}
     q_out = None
     if inv_freq is not None:

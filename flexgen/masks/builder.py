@@ -134,6 +134,12 @@ def block_hits(lowered, traced, B, H, Q_LEN, KV_LEN, q_block, kv_block, device) 
     return hit
 
 
+def block_mask_spec(lowered):
+    """The block-mask builder kernel's ``KernelSpec`` for a lowered mask_mod (its snippet and buffers)."""
+    from ..codegen.spec import KernelSpec
+    return KernelSpec("block_mask", mask=lowered.snippet, mask_buffers=lowered.buffers, num_warps=4)
+
+
 def _classify_undecided(lowered, traced, blocks, Q_LEN, KV_LEN, q_block, kv_block, B=None, H=None):
     """int32 [2, N]: whether each undecided block is partial, and whether it is full.
 
@@ -141,7 +147,6 @@ def _classify_undecided(lowered, traced, blocks, Q_LEN, KV_LEN, q_block, kv_bloc
     costs no kernel compile; many, or a mask the torch path cannot run, go
     to the generated block-mask kernel.
     """
-    from ..codegen.spec import KernelSpec
     from ..runtime import launch
     from . import mask_eval
     if blocks.shape[0] * q_block * kv_block <= mask_eval.TORCH_MAX_ELEMENTS:
@@ -152,7 +157,7 @@ def _classify_undecided(lowered, traced, blocks, Q_LEN, KV_LEN, q_block, kv_bloc
             pass
     device = blocks.device
     hits = torch.empty(2, blocks.shape[0], dtype=torch.int32, device=device)
-    spec = KernelSpec("block_mask", mask=lowered.snippet, mask_buffers=lowered.buffers, num_warps=4)
+    spec = block_mask_spec(lowered)
     # The kernel reads nonzero's int64 rows through their strides (column-major on a GPU).
     launch.run(spec, device, dict(blocks=blocks, hits=hits, mask_buffers=traced.buffers, q_len=Q_LEN,
                                   kv_len=KV_LEN, q_block=q_block, kv_block=kv_block))

@@ -1,0 +1,201 @@
+"""Golden sources of every kernel template, beyond the forward pointer kernel of test_snapshots.
+
+tests/test_snapshots.py keeps one forward (pointer) kernel per mod in flexgen.mods; this
+file keeps the other templates and variants: the forward's TMA variant, the backward's
+dQ and dK/dV kernels (pointer and TMA, and the dQ kernel's deterministic fixed-point
+scatter), decode, decode_merge, block_mask and paged_write (linear and linear_decode:
+tests/test_linear.py). Each case renders a spec the way the runtime makes it (nothing
+is launched, so a CPU renders TMA kernels too), with a padded head dim (80 -> 128, 48 ->
+64) where the template masks head-dim lanes. Files: tests/snapshots/test_template_snapshots/.
+
+Rewrite them after an intended template change, and review the diff like code::
+
+    python -m pytest tests/test_template_snapshots.py --snapshot-update
+
+The TMA and deterministic variants are also compiled for sm_90 here (when the suite's
+AOT check is on), from launches under the interpreter at small sizes.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import pytest
+import torch
+
+import flexgen
+from flexgen import create_block_mask, flex_attention, kernel_source
+from flexgen import mods as M
+from flexgen.api import decode_kernel_source
+from flexgen.codegen.cache import source
+from flexgen.frontend.lowering import lower
+from flexgen.frontend.trace import trace_cached
+from flexgen.kernels.paged import paged_write_spec
+from flexgen.masks.builder import block_mask_spec
+from flexgen.runtime import aot
+import conftest
+from test_snapshots import KernelSourceExtension, normalize
+
+
+@pytest.fixture
+def snapshot(snapshot):
+    return snapshot.use_extension(KernelSourceExtension)
+
+
+L = 128
+DOC = M.doc_ids_from_lengths([40, 50, 38])
+TMA = {"USE_TMA": True}
+
+
+@contextlib.contextmanager
+def deterministic(on: bool):
+    """torch's deterministic mode, which makes the dQ kernel scatter in fixed point."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(on)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def qkv(Lq=L, D=64, Dv=64, Lkv=L):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, Lq, D, generator=gen).to(torch.bfloat16)
+    k = torch.randn(1, 2, Lkv, D, generator=gen).to(torch.bfloat16)
+    v = torch.randn(1, 2, Lkv, Dv, generator=gen).to(torch.bfloat16)
+    return q, k, v
+
+
+def rel_bias():
+    """A score_mod with a captured tensor that requires grad: the dQ kernel scatters its gradient."""
+    return M.relative_position_bias(torch.zeros(4, 2 * L - 1, requires_grad=True), L)
+
+
+def attention(part, score_mod=None, mask_mod=None, options=None, det=False, Lq=L, D=64, Dv=64):
+    """The source of one of flex_attention's kernels (``part``: forward, dq or dkdv)."""
+    def render():
+        q, k, v = qkv(Lq, D, Dv)
+        mask = None if mask_mod is None else create_block_mask(mask_mod, 1, None, Lq, L, device="cpu")
+        with deterministic(det):
+            return kernel_source(q, k, v, score_mod, mask, enable_gqa=True, kernel_options=options,
+                                 part=part)
+    return render
+
+
+def decode_api(score_mod, mask_mod, D=64, Dv=64):
+    """decode_attention's kernel (a mask_mod evaluated per position, no block lists)."""
+    def render():
+        q, k, v = qkv(4, D, Dv)
+        return decode_kernel_source(q, k, v, score_mod=score_mod, mask_mod=mask_mod, enable_gqa=True)
+    return render
+
+
+def decode_merge(Dv):
+    """The kernel merging decode's splits, from the plan of a one-query call."""
+    def render():
+        q, k, v = qkv(1, 64, Dv)
+        return source(flexgen.api.plan(q, k, v, enable_gqa=True).decode.merge_spec)
+    return render
+
+
+def block_mask(mask_mod):
+    """The block-mask builder kernel of a mask_mod (the one create_block_mask launches)."""
+    def render():
+        return source(block_mask_spec(lower(trace_cached(mask_mod, "mask_mod"))))
+    return render
+
+
+def paged_write(D, Dv):
+    """The kernel writing new keys and values into a paged cache [pages, page_size, Hkv, D]."""
+    def render():
+        k_cache = torch.zeros(8, 16, 2, D, dtype=torch.bfloat16)
+        v_cache = torch.zeros(8, 16, 2, Dv, dtype=torch.bfloat16)
+        return source(paged_write_spec(k_cache, v_cache))
+    return render
+
+
+PAD = dict(D=80, Dv=48)
+# id -> (template, what the source must show, a function rendering it).
+CASES = {
+    # forward, TMA
+    "forward_tma_softcap_causal": ("forward", "K.load(", attention("forward", M.tanh_softcap(30.0),
+                                                                   M.causal_mask, TMA)),
+    "forward_tma_padded_alibi_document": ("forward", "K.load(", attention(
+        "forward", M.alibi(slopes=M.alibi_slopes(4)), M.document_mask(DOC), TMA, **PAD)),
+    "forward_tma_no_mask": ("forward", "K.load(", attention("forward", options=TMA)),
+    # backward: dQ
+    "dq_relbias_window": ("backward", "tl.atomic_add(", attention("dq", rel_bias(), M.sliding_window(32))),
+    "dq_deterministic_relbias_window": ("backward", "tl.floor(g_val", attention(
+        "dq", rel_bias(), M.sliding_window(32), det=True)),
+    "dq_tma_relbias_window": ("backward", "K.load(", attention("dq", rel_bias(), M.sliding_window(32), TMA)),
+    "dq_tma_deterministic_relbias_window": ("backward", "tl.floor(g_val", attention(
+        "dq", rel_bias(), M.sliding_window(32), TMA, det=True)),
+    "dq_padded_no_mods": ("backward", "< 48", attention("dq", **PAD)),
+    # backward: dK / dV
+    "dkdv_softcap_causal": ("backward", "FULL_Q_IDX", attention("dkdv", M.tanh_softcap(30.0), M.causal_mask)),
+    "dkdv_tma_softcap_causal": ("backward", "Q.load(", attention("dkdv", M.tanh_softcap(30.0),
+                                                                M.causal_mask, TMA)),
+    "dkdv_tma_padded_no_mods": ("backward", "DV.store(", attention("dkdv", options=TMA, **PAD)),
+    "dkdv_padded_alibi_document": ("backward", "< 80", attention(
+        "dkdv", M.alibi(slopes=M.alibi_slopes(4)), M.document_mask(DOC), **PAD)),
+    # decode (a few queries)
+    "decode_softcap_document": ("decode", "VISIT_IDX", attention("forward", M.tanh_softcap(30.0),
+                                                                 M.document_mask(DOC), Lq=1)),
+    "decode_padded_no_mods": ("decode", "< 48", attention("forward", Lq=1, **PAD)),
+    "decode_api_alibi_causal": ("decode", "q_idx", decode_api(M.alibi(4), M.causal_mask)),
+    "decode_merge": ("decode_merge", "L_PART", decode_merge(64)),
+    "decode_merge_padded": ("decode_merge", "< 48", decode_merge(48)),
+    # block-mask builder
+    "block_mask_document": ("block_mask", "mask_buf", block_mask(M.document_mask(DOC))),
+    "block_mask_sliding_window": ("block_mask", "HITS", block_mask(M.sliding_window(32))),
+    # paged KV cache writes
+    "paged_write": ("paged_write", "K_CACHE", paged_write(64, 64)),
+    "paged_write_padded": ("paged_write", "< 48", paged_write(**PAD)),
+}
+
+
+@pytest.mark.parametrize("case_id", CASES)
+def test_template_source(case_id, snapshot):
+    template, shows, render = CASES[case_id]
+    text = render()
+    assert f'from the template "{template}"' in text
+    assert shows in text, f"the {case_id} kernel should contain {shows!r}"
+    assert normalize(text) == snapshot
+
+
+def test_tma_snapshots_are_tma_and_pointer_ones_are_not():
+    for case_id, (template, _, render) in CASES.items():
+        if template in ("forward", "backward"):
+            assert ("tma" in case_id) == ("_descriptor(" in render()), case_id
+
+
+def test_snapshot_files_are_there():
+    folder = Path(__file__).parent / "snapshots" / "test_template_snapshots"
+    assert {p.name for p in folder.glob("*.py.txt")} == {
+        f"test_template_source[{case}].py.txt" for case in CASES}
+
+
+@pytest.mark.skipif(not conftest.AOT_ENABLED, reason="FLEXGEN_TEST_AOT=0")
+def test_tma_and_deterministic_kernels_compile_for_sm90():
+    """The TMA forward, dQ and dK/dV kernels with a block mask, a padded head dim and a
+    captured tensor whose gradient the dQ kernel scatters in fixed point (deterministic
+    mode, a combination no other test launches) compile to sm_90 code with TMA copies."""
+    n = 40
+    table = torch.zeros(2, 2 * n - 1, requires_grad=True)
+    score_mod = M.relative_position_bias(table, n)
+    mask = create_block_mask(M.causal_mask, None, None, n, n, device="cpu", BLOCK_SIZE=32)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, d, generator=gen).to(torch.bfloat16).requires_grad_()
+               for d in (80, 80, 48))
+    with deterministic(True), aot.recording() as launches:
+        out = flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, kernel_options=TMA)
+        # A contiguous upstream gradient: an expanded one (out.sum()'s) takes the pointer kernels.
+        out.backward(torch.randn(out.shape, generator=gen).to(out.dtype))
+    assert sorted(spec.template for spec, _, _ in launches if spec.use_tma) == ["backward", "backward",
+                                                                              "forward"]
+    assert any(getattr(spec, "deterministic", False) for spec, _, _ in launches)
+    for spec, args, constexprs in launches:
+        compiled = aot.compile_launch(spec, args, constexprs)
+        assert compiled.asm.get("cubin"), spec.kernel_name
+        if spec.template in ("forward", "backward"):
+            assert "cp.async.bulk.tensor" in compiled.asm["ptx"], spec.kernel_name
