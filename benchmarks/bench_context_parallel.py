@@ -430,6 +430,9 @@ def main():
                                                          backend=dist.get_backend()),
                                  config={k: v for k, v in vars(args).items()}, rows=rows))
             report(table(rows), "BENCH_CP_SUMMARY", f"\n(json: {out})")
+        # Both ranks tear down together: a rank destroying its group while the other still
+        # writes the report left gloo's threads to abort the process at exit (seen in CI).
+        dist.barrier()
         dist.destroy_process_group()
     if any("error" in r for r in rows):
         sys.exit(1)
