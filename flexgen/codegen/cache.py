@@ -124,9 +124,10 @@ def _module_text(spec: KernelSpec) -> str:
     return text
 
 
-def _read_private(path: Path) -> bytes | None:
-    """The bytes of ``path`` if it is a regular file of the user's that no one else
-    can write; None for anything else (missing, a symlink, a FIFO, someone else's).
+def _read_private(path: Path, forbidden: int = stat.S_IWGRP | stat.S_IWOTH) -> bytes | None:
+    """The bytes of ``path`` if it is a regular file of the user's with none of the
+    ``forbidden`` permission bits (by default: no one else can write it); None for
+    anything else (missing, a symlink, a FIFO, someone else's).
 
     The checks run on the opened file, so what is checked is what is read.
     O_NOFOLLOW refuses a symlink without opening what it points at; O_NONBLOCK
@@ -140,7 +141,7 @@ def _read_private(path: Path) -> bytes | None:
         try:
             info = os.fstat(fd)
             if (not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid()
-                    or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)):
+                    or info.st_mode & forbidden):
                 return None
             return f.read()
         except OSError:

@@ -45,7 +45,6 @@ import hmac
 import json
 import os
 import secrets
-import stat
 import tempfile
 import threading
 from pathlib import Path
@@ -104,21 +103,12 @@ def fingerprint() -> str:
 def _read_secret(path: Path) -> bytes | None:
     """The key in ``path`` if it is a regular file of the user's that nobody else can read or
     write; None for anything else."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+    from .cache import _read_private
+    raw = _read_private(path, forbidden=0o077)
+    if raw is None:
         return None
-    with open(fd, "rb") as f:
-        try:
-            info = os.fstat(fd)
-            if (not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid()
-                    or info.st_mode & 0o077):
-                return None
-            text = f.read(129).strip()
-        except OSError:
-            return None
     try:
-        secret = bytes.fromhex(text.decode("ascii"))
+        secret = bytes.fromhex(raw.strip().decode("ascii"))
     except ValueError:
         return None
     return secret if len(secret) == 32 else None

@@ -267,11 +267,9 @@ class Proxy(_Operators):
 
     # --- tensor methods ----------------------------------------------------------------
     def __getattr__(self, name):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        method = _METHODS.get(name)
-        if method is not None:
-            return lambda *args, **kwargs: method(self, *args, **kwargs)
+        bound = _bound_method(self, name)
+        if bound is not None:
+            return bound
         if name.endswith("_"):
             raise self._tracer.fail(f"in-place method .{name}() on a traced value",
                                     f"use the out-of-place form .{name[:-1]}()")
@@ -674,11 +672,9 @@ class Row(_Operators):
 
     # --- everything else: the proxies' methods, element by element ------------------
     def __getattr__(self, name):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        method = _METHODS.get(name)
-        if method is not None:
-            return lambda *args, **kwargs: method(self, *args, **kwargs)
+        bound = _bound_method(self, name)
+        if bound is not None:
+            return bound
         raise self._tracer.fail(f".{name} of {self._what} is not supported",
                                 "use elementwise torch functions and reduce with .sum() / "
                                 ".max() / .any() / torch.dot")
@@ -1208,6 +1204,15 @@ _METHODS.update({
     "min": lambda x, *a, **k: _scalar_extreme(x, "minimum", *a, **k),
     "any": lambda x, *a, **k: _cast(x, torch.bool), "all": lambda x, *a, **k: _cast(x, torch.bool),
 })
+
+
+def _bound_method(value, name):
+    """``value.name`` for a tensor method the tracer knows (a Proxy's or a Row's), else None;
+    a private name is an AttributeError (Python and dynamo probe for them)."""
+    if name.startswith("_"):
+        raise AttributeError(name)
+    method = _METHODS.get(name)
+    return None if method is None else (lambda *args, **kwargs: method(value, *args, **kwargs))
 
 
 @_elementwise
