@@ -28,7 +28,7 @@ from .snippet import Snippet
 SIGMOID_REVISION = 3
 TEMPLATE_VERSIONS = {"forward": 5, "forward_gluon": 1, "block_mask": 2,
                      "decode": 3, "decode_merge": 1, "paged_write": 2,
-                     "backward": 7, "linear": 3, "linear_decode": 1}
+                     "backward": 8, "linear": 3, "linear_decode": 1}
 
 
 def pad_head_dim(d: int) -> int:

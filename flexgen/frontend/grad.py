@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import sympy
 from sympy.printing.str import StrPrinter
 
 from ..codegen.printer import Address, Snippet, cast, print_address, print_joint
@@ -33,7 +34,9 @@ class Scatter:
     partial_const: bool    # that derivative is a finite constant: no NaN guard
     reduce_q: bool         # the index ignores q_idx: sum the tile over its rows first
     reduce_kv: bool        # the index ignores kv_idx: sum over its columns first
+    reduce_diag: bool      # the index reads q_idx - kv_idx only: sum each tile diagonal first
     address: Address       # where the load read, as an offset into the gradient buffer
+                           # (with reduce_diag, in terms of ``diag_d`` = q_idx - kv_idx)
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,9 @@ class LoweredGrad:
 
 
 _GRADS: dict = {}
+# q_idx - kv_idx of a tile diagonal: the address of a load whose index reads the positions
+# only through their difference (a relative-position bias) is printed in terms of it.
+DIAGONAL = sympy.Symbol("diag_d", integer=True)
 
 
 def _const(e) -> bool:
@@ -134,15 +140,20 @@ def lower_grad(traced: TracedMod | None, grad_slots: tuple) -> LoweredGrad:
     dq = joint(head + partials)
     extra = dq.results[len(head):]
     scatters = []
+    q_idx, kv_idx = INDEX_SYMBOLS["q_idx"], INDEX_SYMBOLS["kv_idx"]
     for n, (app, d, code) in enumerate(zip(loads, partials, extra)):
         grad_name = f"{app.func.__name__}_grad"
         free = app.free_symbols
+        # Every element of a tile diagonal adds to one address when the index reads q_idx - kv_idx
+        # only: the kernel sums the diagonals first (one atomic per diagonal, not per element;
+        # same-address atomics serialize, and a relative bias sends a whole diagonal to one).
+        on_diagonal = app.subs(q_idx, kv_idx + DIAGONAL)
+        diagonal = q_idx in free and kv_idx in free and kv_idx not in on_diagonal.free_symbols
         scatters.append(Scatter(
             buffer=app.func.__name__, grad_name=grad_name,
             index_text=", ".join(str(a) for a in app.args), partial=code, partial_const=_const(d),
-            reduce_q=INDEX_SYMBOLS["q_idx"] not in free,
-            reduce_kv=INDEX_SYMBOLS["kv_idx"] not in free,
-            address=print_address(app, grad_name, f"g{n}_")))
+            reduce_q=q_idx not in free, reduce_kv=kv_idx not in free, reduce_diag=diagonal,
+            address=print_address(on_diagonal if diagonal else app, grad_name, f"g{n}_")))
     grad_buffers = tuple(BufferSig(f"sbuf{i}_grad", traced.buffers[i].dim(), "float32")
                          for i in grad_slots)
     hit = LoweredGrad(
