@@ -3,6 +3,8 @@
     python benchmarks/bench_cold_start.py                 # both mods, 2 repeats (~3-4 min on an H100, estimated)
     python benchmarks/bench_cold_start.py --repeats 3 --mods causal_softcap --budget 300
     python benchmarks/bench_cold_start.py --smoke         # tiny sizes on CPU: checks the script only
+    python benchmarks/bench_cold_start.py --mods causal_softcap --repeats 1 --dtypes bfloat16,float32 --budget 150
+                                                          # run_all.sh's cold step: both dtypes, ~150 s
 
 flexgen against ``torch.compile(torch.nn.attention.flex_attention)``. Every
 measurement is a fresh Python process (this script run with ``--child``)
@@ -406,7 +408,7 @@ def summarize(runs: list) -> list:
 
 def table(payload) -> str:
     env, cfg = payload["env"], payload["config"]
-    lines = [f"cold start of a never-seen mod: bf16 B=1 H={cfg['heads']} L={cfg['length']} D={cfg['dim']} on "
+    lines = [f"cold start of a never-seen mod: {cfg['dtype']} B=1 H={cfg['heads']} L={cfg['length']} D={cfg['dim']} on "
              f"{env.get('device_name')}, torch {env['torch']}, triton {env['triton']}, flexgen {env['flexgen']}"]
     head = (f"{'mod':<15} {'impl':<8} {'case':<11} {'ok':>4} | {'import':>6} {'mask':>6} {'plan':>6} {'attn':>6} | "
             f"{'first':>6} {'[min]':>7} | {'cold':>6} {'[min]':>7} | {'2nd ms':>7} {'maxerr':>7} | "
@@ -461,6 +463,26 @@ def table(payload) -> str:
     return "\n".join(lines)
 
 
+def _each_dtype(argv, dtypes, budget) -> int:
+    """main once per dtype (its own JSON and table), each given an even share of what is left."""
+    rest, skip = [], False
+    for a in argv:      # the run's own arguments without --dtypes / --dtype / --budget
+        if skip:
+            skip = False
+        elif a in ("--dtypes", "--dtype", "--budget"):
+            skip = True
+        elif not a.startswith(("--dtypes=", "--dtype=", "--budget=")):
+            rest.append(a)
+    deadline, rc = time.monotonic() + budget, 0
+    for i, dtype in enumerate(dtypes):
+        share = (deadline - time.monotonic()) / (len(dtypes) - i)
+        if share < 10:
+            print(f"bench_cold_start: {dtype} skipped ({share:.0f} s left)", flush=True)
+            continue
+        rc |= main(rest + ["--dtype", dtype, "--budget", f"{share:.0f}"])
+    return rc
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=None, help="cold children per mod and implementation "
@@ -478,6 +500,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dim", type=int, default=None, help="head dim (default 128; 64 with --smoke)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                     help="the inputs' dtype (fp32 compiles other kernels: the issue's slow case)")
+    ap.add_argument("--dtypes", default=None, help="comma list of dtypes, run one after the other with the "
+                    "budget shared (e.g. bfloat16,float32: the issue's two cases in one run)")
     ap.add_argument("--keep-dirs", action="store_true", help="leave the children's cache directories in place")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (Triton interpreter, torch eager): "
                     "tests the script only")
@@ -496,6 +520,9 @@ def main(argv=None) -> int:
             setattr(args, name, tiny if small else big)
     if args.child:
         return child_main(args)
+    dtypes = [d.strip() for d in (args.dtypes or args.dtype).split(",") if d.strip()]
+    if len(dtypes) > 1:
+        return _each_dtype(argv if argv is not None else sys.argv[1:], dtypes, args.budget)
 
     mods = [m.strip() for m in args.mods.split(",") if m.strip()]
     impls = [i.strip() for i in args.impls.split(",") if i.strip()]

@@ -21,7 +21,10 @@
    tokens after 1024 cached ones and 56 decode tokens with 2048 cached, packed
    (``PagedKVCache.attention`` with a [total, H, D] query and ``q_lengths``) against the same
    step padded to [64, H, 512, D]: ms and tokens/s, checked against each other.
-4. **restart**: ``bench_cold_start.py`` (fresh processes; cold = empty caches, warm-disk = the
+4. **graphs**: ``examples/continuous_batching.py``'s serving loop with its decode steps in CUDA
+   graphs against the same loop without (``--graphs off``): tokens must agree, ms per step.
+   ``python benchmarks/bench_serving.py --parts graphs`` (~1 min).
+5. **restart**: ``bench_cold_start.py`` (fresh processes; cold = empty caches, warm-disk = the
    caches a previous process filled) for the causal+softcap mod against torch's compiled
    FlexAttention, in bf16 and fp32 (targets: warm first call <= 0.2 s, cold <= 1.5 s bf16 /
    3 s fp32). Its JSONs land next to this script's.
@@ -212,6 +215,55 @@ def mixed_cases(args, timer, device):
     return rows
 
 
+def graphs_cases(args, device):
+    """examples/continuous_batching.py's loop with its decode steps in CUDA graphs and without:
+    the same requests (more of them, longer: ``--graph-requests`` x ``--graph-tokens`` new tokens),
+    tokens checked equal, logits close; ms per step of a second, warm run of each (the first
+    compiles and captures). On CPU (--smoke) the graph body runs eagerly instead of captured."""
+    import random
+
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    sys.path.insert(0, examples)
+    import continuous_batching as cb
+    from paged_generation import VOCAB, build_model, to_device
+
+    model = to_device(build_model(), device)
+    on = "auto" if device.type == "cuda" else "eager"
+
+    def requests():
+        rng = random.Random(5)
+        return [cb.Request(i, i // 2, [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 40))],
+                           args.graph_tokens) for i in range(args.graph_requests)]
+
+    runs = {}
+    for mode in ("off", on):
+        for attempt in range(2):          # the second run is timed: kernels compiled, graphs captured anew
+            reqs = requests()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                steps, _, decode = cb.serve(model, reqs, device, 16, args.graph_batch, graphs=mode)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+        runs[mode] = (reqs, steps, seconds, decode)
+    (ref, steps, off_s, _), (got, _, on_s, decode) = runs["off"], runs[on]
+    same = all(a.tokens == b.tokens for a, b in zip(ref, got))
+    err = max(float((torch.stack(a.logits) - torch.stack(b.logits)).abs().max()) for a, b in zip(ref, got))
+    replays = decode.replays if decode is not None else 0
+    rows = [dict(part="graphs", case=f"{mode}: {args.graph_requests} req x {args.graph_tokens} tok, batch "
+                 f"{args.graph_batch}", ms=sec / steps * 1e3, steps=steps, tokens_equal=same, maxerr=err,
+                 replays=replays if mode != "off" else 0)
+            for mode, sec in (("off", off_s), (on, on_s))]
+    rows[1]["speedup"] = off_s / on_s
+    for row in rows:
+        print(f"  {row}", flush=True)
+    if not same or err > 1e-3:
+        raise RuntimeError(f"graphs changed the output: tokens equal {same}, max |logit diff| {err:.2e}")
+    return rows
+
+
 def restart_cases(args, out_dir):
     rows = []
     for dtype in ("bfloat16", "float32"):
@@ -240,6 +292,10 @@ def table(payload) -> str:
         elif r["part"] == "rope":
             pct = "" if r["pct_copy"] is None else f" {r['pct_copy']:5.1f}% copy"
             lines.append(f"{r['part']:<8} {r['case']:<34} {r['ms']:8.3f} ms {r['gbps']:7.0f} GB/s{pct}")
+        elif r["part"] == "graphs":
+            lines.append(f"{r['part']:<8} {r['case']:<34} {r['ms']:8.3f} ms/step  tokens equal {r['tokens_equal']}"
+                         f"  maxerr {r['maxerr']:.1e}  replays {r['replays']}"
+                         + (f"  {r['speedup']:.2f}x" if "speedup" in r else ""))
         elif r["part"] == "mixed":
             lines.append(f"{r['part']:<8} {r['case']:<34} {r['ms']:8.3f} ms {r['tokens_per_s']:9.0f} tok/s"
                          f"  maxerr {r['maxerr']:.1e}")
@@ -251,7 +307,7 @@ def table(payload) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--parts", default="varlen,rope,mixed,restart")
+    ap.add_argument("--parts", default="varlen,rope,mixed,graphs,restart")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=32768)
@@ -266,6 +322,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prefix", type=int, default=1024)
     ap.add_argument("--decodes", type=int, default=56)
     ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--graph-requests", type=int, default=16)
+    ap.add_argument("--graph-tokens", type=int, default=64, help="new tokens per request (graphs part)")
+    ap.add_argument("--graph-batch", type=int, default=8)
     ap.add_argument("--restart-budget", type=float, default=150.0, help="seconds per dtype")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (interpreter): tests the script")
     ap.add_argument("--out", default=None, help="output folder (default $OUT, else benchmarks/results)")
@@ -276,6 +335,7 @@ def main(argv=None) -> int:
         args.rope_batch, args.rope_tokens, args.rope_kv_heads, args.rope_q_heads, args.page = 2, 40, 1, 2, 16
         args.prefills, args.chunk, args.prefix, args.decodes, args.context = 2, 16, 16, 3, 40
         args.restart_budget = 60.0
+        args.graph_requests, args.graph_tokens, args.graph_batch = 3, 4, 2
     device = torch.device("cuda" if cuda else "cpu")
     timer = Timer(cuda)
     out_dir = args.out or os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
@@ -293,6 +353,8 @@ def main(argv=None) -> int:
                 payload["cases"] += rope_cases(args, timer, device, payload["copy_gbps"])
             elif part == "mixed":
                 payload["cases"] += mixed_cases(args, timer, device)
+            elif part == "graphs":
+                payload["cases"] += graphs_cases(args, device)
             elif part == "restart":
                 payload["cases"] += restart_cases(args, out_dir)
         except Exception as exc:

@@ -57,7 +57,7 @@ budget_of() {     # the step's budget, cut to the time left
         check) want=${CHECK_BUDGET_S:-100} ;;  tune) want=${TUNE_BUDGET_S:-240} ;;
         gputests) want=${GPUTESTS_BUDGET_S:-150} ;;  forward) want=${FORWARD_BUDGET_S:-240} ;;
         backward) want=${BACKWARD_BUDGET_S:-150} ;;  decode) want=${DECODE_BUDGET_S:-70} ;;
-        cold) want=${COLD_BUDGET_S:-90} ;;  host) want=${HOST_BUDGET_S:-30} ;;
+        cold) want=${COLD_BUDGET_S:-150} ;;  host) want=${HOST_BUDGET_S:-30} ;;
         sanitize) want=${SANITIZE_BUDGET_S:-300} ;;  models) want=${MODELS_BUDGET_S:-420} ;;
         nosoftmax) want=${NOSOFTMAX_BUDGET_S:-240} ;;  gluon) want=${GLUON_BUDGET_S:-300} ;;
         serving) want=${SERVING_BUDGET_S:-240} ;;  *) want=0 ;;
@@ -98,7 +98,9 @@ run_step() {
         forward)  cmd=("$PY" benchmarks/bench_forward.py $SMOKE_ARG --budget "$budget" ${BENCH_FORWARD_ARGS:-}) ;;
         backward) cmd=("$PY" benchmarks/bench_backward.py $SMOKE_ARG --budget "$budget" ${BENCH_BACKWARD_ARGS:-}) ;;
         decode)   cmd=("$PY" benchmarks/bench_decode.py $SMOKE_ARG --budget "$((budget - 10))" ${BENCH_DECODE_ARGS:-}) ;;
-        cold)     cmd=("$PY" benchmarks/bench_cold_start.py $SMOKE_ARG --budget "$budget" ${COLD_ARGS:-}) ;;
+        # Both dtypes of the restart targets, one cold start each, then the warm restart.
+        cold)     cmd=("$PY" benchmarks/bench_cold_start.py $SMOKE_ARG --budget "$budget" \
+                       ${COLD_ARGS:---mods causal_softcap --repeats 1 --dtypes bfloat16,float32}) ;;
         host)     cmd=("$PY" benchmarks/profile_host.py $SMOKE_ARG) ;;
     esac
     GPU_CHECK_SUMMARY=$summary BENCH_FORWARD_SUMMARY=$summary BENCH_BACKWARD_SUMMARY=$summary \

@@ -15,9 +15,18 @@ kernel) and one packed ``PagedKVCache.attention`` (a query ``[total, Hq, D]`` wi
 request whose prompt is done samples greedily; one that has its tokens leaves and frees its
 pages and slot for the next arrival.
 
+On CUDA, decode steps (every active request feeds one token) run in CUDA graphs, one per
+set of slots (``DecodeGraphs``): the first such step of a set runs its body eagerly (kernels
+compile, the cache makes its small index tensors), the second is captured, later ones
+replay. Pages are reserved before a replay and the host's lengths brought along after it
+(``PagedKVCache.advance``); inside, the append reads the positions from the cache's device
+lengths and the attention takes the device lengths and a fixed bound (``max_kv_len`` = the
+cache's capacity), so nothing in a step reads a length back to the host.
+``--graphs off`` turns them off; ``--graphs eager`` runs the graph body without capturing
+(what the CPU test checks).
+
 The check: for each request, the model run without a cache on its final tokens (plain torch
 attention, the same rotary embedding): the logits of every generated position must agree.
-(CUDA graphs for the decode steps are not used here yet.)
 """
 from __future__ import annotations
 
@@ -62,8 +71,16 @@ def projections(layer, h):
             (x @ layer["wv"]).view(B, L, HKV, HEAD_DIM).transpose(1, 2))
 
 
-def step(model, caches, batch, chunk, device):
-    """One forward step over ``batch`` (requests with tokens to feed); records their logits."""
+def step(model, caches, batch, chunk, device, decode=None):
+    """One forward step over ``batch`` (requests with tokens to feed); records their logits.
+    With ``decode`` (a DecodeGraphs), a step in which every request decodes goes through it."""
+    if decode is not None and all(r.fed >= len(r.prompt) for r in batch):
+        logits = decode.step(batch)
+        for b, r in enumerate(batch):
+            r.fed += 1
+            r.logits.append(logits[b].cpu())
+            r.tokens.append(int(logits[b].argmax()))
+        return
     feeds = []
     for r in batch:
         if r.fed < len(r.prompt):
@@ -97,12 +114,72 @@ def step(model, caches, batch, chunk, device):
             r.tokens.append(int(logits[b].argmax()))
 
 
-def serve(model, requests, device, chunk, max_batch, page_size=16):
+class DecodeGraphs:
+    """Decode steps in CUDA graphs, one graph per tuple of slots (``capture=False``: the same
+    body, run eagerly every time). A graph reads the cache's tensors and the slots' rows of its
+    page table and lengths, never a request: it serves whichever requests hold those slots."""
+
+    def __init__(self, model, caches, device, capture=True):
+        self.model, self.caches, self.device, self.capture = model, caches, device, capture
+        self.graphs = {}            # slots -> (graph, token buffer, logits, rows)
+        self.warm = set()           # slots whose body ran eagerly once
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.replays = 0
+
+    def body(self, slots, tokens, rows):
+        """The step on device tensors only: tokens [B, 1], rows [B] (int64 slots)."""
+        h = self.model["embed"][tokens]
+        for layer, cache in zip(self.model["layers"], self.caches):
+            q, k, v = projections(layer, h)
+            q = cache.append(slots, k, v, rope=ROPE, query=q)
+            # The device lengths and a fixed bound: the launch does not depend on this step's lengths.
+            attn = flexgen.decode_attention(q, cache.k_cache, cache.v_cache, enable_gqa=True,
+                                            kv_lengths=cache.lengths[rows], page_table=cache.page_table[rows],
+                                            mask_mod=causal_mask, max_kv_len=cache.max_seq_len)
+            h = finish_layer(layer, h, attn)
+        return logits_of(self.model, h[:, 0])
+
+    def step(self, batch):
+        """Logits [B, VOCAB] of one decode step of ``batch``; the caches advance by one token each."""
+        slots = tuple(r.slot for r in batch)
+        for cache in self.caches:       # pages first: a replay cannot allocate
+            cache.reserve(slots, [cache.length(s) + 1 for s in slots])
+        tokens = torch.tensor([[r.tokens[-1]] for r in batch], device=self.device)
+        hit = self.graphs.get(slots)
+        if hit is not None:
+            graph, static_tokens, logits, _ = hit
+            static_tokens.copy_(tokens)
+            graph.replay()
+            self.replays += 1
+            for cache in self.caches:   # the replay ran no Python: the host lengths follow
+                cache.advance(slots, [1] * len(slots))
+            return logits
+        rows = torch.tensor(slots, dtype=torch.long, device=self.device)
+        if not self.capture or slots not in self.warm:
+            self.warm.add(slots)
+            return self.body(list(slots), tokens, rows)
+        # Captured, then replayed at once: the capture ran the host part (the appends' host
+        # lengths), the replay the kernels.
+        graph = torch.cuda.CUDAGraph()
+        static_tokens = tokens.clone()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.body(list(slots), static_tokens, rows)
+        self.graphs[slots] = (graph, static_tokens, logits, rows)      # (rows: the graph reads it)
+        graph.replay()
+        self.replays += 1
+        return logits
+
+
+def serve(model, requests, device, chunk, max_batch, page_size=16, graphs="auto"):
+    """Serve ``requests`` to the end: (steps, steps mixing prefill and decode, the DecodeGraphs or None)."""
     longest = max(len(r.prompt) + r.new_tokens for r in requests)
     pages = -(-longest // page_size)
     caches = [flexgen.PagedKVCache(num_pages=max_batch * pages, page_size=page_size, num_kv_heads=HKV,
                                    head_dim=HEAD_DIM, max_batch=max_batch, max_pages_per_seq=pages,
                                    dtype=torch.float32, device=device) for _ in range(LAYERS)]
+    decode = None
+    if graphs == "eager" or (graphs == "auto" and device.type == "cuda"):
+        decode = DecodeGraphs(model, caches, device, capture=graphs == "auto")
     waiting = sorted(requests, key=lambda r: r.arrival)
     active, steps, mixed = [], 0, 0
     while waiting or active:
@@ -114,14 +191,14 @@ def serve(model, requests, device, chunk, max_batch, page_size=16):
         if active:
             prefill = sum(r.fed < len(r.prompt) for r in active)
             mixed += 0 < prefill < len(active)
-            step(model, caches, active, chunk, device)
+            step(model, caches, active, chunk, device, decode)
         for r in [r for r in active if r.done]:
             for c in caches:
                 c.free(r.slot)
             active.remove(r)
             print(f"  step {steps:>2}: request {r.rid} done ({len(r.prompt)} prompt + {r.new_tokens} new tokens)")
         steps += 1
-    return steps, mixed
+    return steps, mixed, decode
 
 
 def main(argv=None) -> int:
@@ -130,6 +207,8 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=16, help="prompt tokens per request per step")
     ap.add_argument("--max-batch", type=int, default=3, help="requests served at once")
     ap.add_argument("--requests", type=int, default=6, help="how many of the six requests to serve")
+    ap.add_argument("--graphs", default="auto", choices=("auto", "off", "eager"),
+                    help="decode steps in CUDA graphs (auto: on CUDA only), or not, or their body eagerly")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -140,7 +219,8 @@ def main(argv=None) -> int:
     requests = [Request(i, a, [rng.randrange(VOCAB) for _ in range(n)], g) for i, (a, n, g) in enumerate(plan)]
     t0 = time.perf_counter()
     with torch.no_grad():
-        steps, mixed = serve(to_device(model, device), requests, device, args.chunk, args.max_batch)
+        steps, mixed, decode = serve(to_device(model, device), requests, device, args.chunk, args.max_batch,
+                             graphs=args.graphs)
     seconds = time.perf_counter() - t0
     worst = 0.0
     for r in requests:
@@ -148,7 +228,9 @@ def main(argv=None) -> int:
         got = torch.stack(r.logits)
         worst = max(worst, (got - want).abs().max().item())
     ok = worst < 1e-3
-    print(f"{len(requests)} requests in {steps} steps ({mixed} mixing prefill and decode) on {device}: "
+    graphed = "" if decode is None else (f", {decode.replays} decode steps replayed from {len(decode.graphs)} "
+                                         "CUDA graphs" if decode.capture else ", decode steps through the graph body")
+    print(f"{len(requests)} requests in {steps} steps ({mixed} mixing prefill and decode{graphed}) on {device}: "
           f"{seconds:.1f} s; max |logit difference| vs no cache: {worst:.2e} -> {'OK' if ok else 'MISMATCH'}")
     return 0 if ok else 1
 

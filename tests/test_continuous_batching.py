@@ -18,3 +18,17 @@ def test_continuous_batching_example_matches_the_uncached_model(capsys):
         sys.path.remove(str(EXAMPLES))
     out = capsys.readouterr().out
     assert "-> OK" in out and "mixing prefill and decode" in out and "(0 mixing" not in out
+
+
+def test_the_decode_graph_body_matches_too(capsys):
+    """--graphs eager: pure decode steps go through DecodeGraphs' body (the part captured in a
+    CUDA graph on the GPU: device lengths, a fixed max_kv_len) run eagerly; same check."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import continuous_batching
+        assert continuous_batching.main(["--requests", "3", "--chunk", "8", "--max-batch", "2",
+                                         "--graphs", "eager"]) == 0
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    out = capsys.readouterr().out
+    assert "-> OK" in out and "through the graph body" in out

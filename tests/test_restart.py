@@ -37,10 +37,10 @@ print(json.dumps({"start": imported_at_start,
 """
 
 
-def _run(cache_dir) -> dict:
+def _run(cache_dir, script=SCRIPT) -> dict:
     env = dict(os.environ, FLEXGEN_CACHE_DIR=str(cache_dir))
     env.pop("FLEXGEN_RESTART_INDEX", None)
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -52,6 +52,53 @@ def test_warm_restart_needs_neither_sympy_nor_jinja(tmp_path):
     warm = _run(tmp_path)
     assert warm["start"] == [] and warm["after"] == [], warm
     assert warm["sums"] == cold["sums"]
+
+
+# What a serving or training loop calls around a block mask: the mask itself, the forward
+# with it, decode steps against a cache with it, and a backward. flexgen's own modules that
+# need sympy (the tracer's expressions, the printer, the index checks) must stay unloaded.
+MASK_SCRIPT = r"""
+import json, sys, torch
+import flexgen
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+def window(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 40)
+
+def softcap(score, b, h, q_idx, kv_idx):
+    return 20.0 * torch.tanh(score / 20.0)
+
+torch.manual_seed(0)
+q = torch.randn(1, 2, 96, 16)
+mask = flexgen.create_block_mask(causal, 1, 1, 96, 96, device="cpu", BLOCK_SIZE=32)
+wmask = flexgen.create_block_mask(window, None, None, 96, 96, device="cpu", BLOCK_SIZE=32)
+dense = flexgen.flex_attention(q, q, q, block_mask=mask, score_mod=softcap)
+windowed = flexgen.flex_attention(q, q, q, block_mask=wmask)
+step = flexgen.decode_attention(q[:, :, -1:], q, q, block_mask=mask)
+serving = [m for m in ("sympy", "jinja2") if m in sys.modules]
+x = q.clone().requires_grad_()
+flexgen.flex_attention(x, x, x, block_mask=mask).sum().backward()
+own = ("flexgen.frontend.expr", "flexgen.codegen.printer", "flexgen.frontend.bounds_check", "jinja2")
+print(json.dumps({"serving": serving, "after_backward": [m for m in own if m in sys.modules],
+                  "sums": [float(t.double().sum()) for t in (dense, windowed, step, x.grad)],
+                  "blocks": [int(m.kv_num_blocks.sum() + m.full_kv_num_blocks.sum())
+                             for m in (mask, wmask)]}))
+"""
+
+
+def test_warm_block_mask_needs_neither_sympy_nor_jinja(tmp_path):
+    """create_block_mask reads the mask's recorded block-bounds program, and the backward the
+    recorded derivatives: a warm process builds masks and runs forward, decode and backward
+    without flexgen importing sympy or jinja2. (A backward goes through torch's custom-op
+    autograd, which imports torch._dynamo and with it sympy: torch's cost, not flexgen's, so
+    the backward is checked on flexgen's own modules.)"""
+    cold = _run(tmp_path, MASK_SCRIPT)
+    assert "sympy" in cold["serving"]                     # the first process lowers
+    warm = _run(tmp_path, MASK_SCRIPT)
+    assert warm["serving"] == [] and warm["after_backward"] == [], warm
+    assert warm["sums"] == cold["sums"] and warm["blocks"] == cold["blocks"]
 
 
 WARMUP_MODULE = r"""

@@ -80,7 +80,9 @@ def test_table_lookup_order(monkeypatch):
     assert tuning.table_row("forward", 128, "bfloat16", CUDA) == row
     assert tuning.table_row("forward", 80, "bfloat16", CUDA) == row, "80 pads to the 128 row"
     assert tuning.table_row("forward", 128, "float16", CUDA) == row, "fp16 falls back to bf16's row"
-    assert tuning.table_row("forward", 128, "float32", CUDA) == tuning.DEFAULTS["forward"][128]
+    # fp32 without a row of its own: its smaller default (shared memory), not bf16's row
+    assert tuning.table_row("forward", 128, "float32", CUDA) == tuning.FLOAT32[("forward", 128)]
+    assert tuning.table_row("forward", 256, "float32", CUDA) == tuning.DEFAULTS["forward"][256]
     assert tuning.table_row("forward", 64, "bfloat16", CUDA) == tuning.DEFAULTS["forward"][64]
     monkeypatch.setattr(tuning, "gpu_name", lambda device: "A100")
     assert tuning.table_row("forward", 128, "bfloat16", CUDA) == tuning.DEFAULTS["forward"][128]
@@ -342,3 +344,24 @@ def test_kernels_without_a_winner_are_looked_up_once(fresh_store, fake_clock, mo
     for _ in range(3):
         assert tuning.choose(other, CUDA, _inputs(), (128, 128), launch_fn) is other
     assert len(lookups) == 1
+
+
+def test_fp32_dots_keep_float32_accuracy_on_the_gpu():
+    """fp32 on CUDA: tf32 where torch allows it, else FP32_DOT (tf32x3: tensor cores at float32's
+    accuracy, not the unrolled FMA loops of "ieee" that took 24.6 s to compile); the interpreter
+    and half precision stay "ieee"."""
+    from types import SimpleNamespace
+
+    from flexgen.codegen import spec
+    cuda_query = SimpleNamespace(dtype=torch.float32, device=CUDA)     # what dot_precision reads
+    matmul = torch.backends.cuda.matmul        # (its flags are properties: set and put back by hand)
+    before = matmul.allow_tf32
+    try:
+        matmul.allow_tf32 = False
+        assert spec.dot_precision(cuda_query) == spec.FP32_DOT == "tf32x3"
+        matmul.allow_tf32 = True
+        assert spec.dot_precision(cuda_query) == "tf32"
+    finally:
+        matmul.allow_tf32 = before
+    assert spec.dot_precision(SimpleNamespace(dtype=torch.bfloat16, device=CUDA)) == "ieee"
+    assert spec.dot_precision(torch.empty(1, 1, 1, 16)) == "ieee"

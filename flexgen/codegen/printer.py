@@ -22,7 +22,7 @@ from sympy.core.function import UndefinedFunction
 from ..codegen import debug
 from ..frontend.expr import SYMBOLS, BitAnd, BitNot, BitOr, BitXor, Sigmoid, Trunc, free_indices
 # Defined without sympy, for the restart index (flexgen.codegen.index):
-from .snippet import TL_DTYPES, Snippet, literal_value  # noqa: F401
+from .snippet import TL_DTYPES, Address, Snippet, literal_value  # noqa: F401
 
 
 def cast(code: str, kind: str, target: str) -> str:
@@ -447,14 +447,6 @@ def print_joint(exprs, temp_prefix: str) -> JointSnippet:
     printed = [printer.print(r) for r in reduced]
     return JointSnippet(tuple(printer.lines), tuple(c for c, _ in printed), tuple(k for _, k in printed),
                         tuple(tuple(sorted(free_indices(e))) for e in exprs))
-
-
-@dataclass(frozen=True)
-class Address:
-    """Where a scatter writes: statements, then an offset and a bounds mask (None: always)."""
-    lines: tuple
-    offset: str
-    in_bounds: str | None
 
 
 def print_address(load, grad_name: str, temp_prefix: str) -> Address:

@@ -42,6 +42,14 @@ class Snippet:
         return any(line.startswith("tl.device_assert(") for line in self.lines)
 
 
+@dataclass(frozen=True)
+class Address:
+    """Where a scatter writes: statements, then an offset and a bounds mask (None: always)."""
+    lines: tuple
+    offset: str
+    in_bounds: str | None
+
+
 _SPECIAL_FLOATS = {'float("nan")': float("nan"), 'float("inf")': float("inf"),
                    'float("-inf")': float("-inf")}
 

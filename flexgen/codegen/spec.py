@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 from dataclasses import astuple, dataclass
 
 import torch
@@ -119,11 +120,22 @@ def mod_fields(score, mask) -> dict:
                 mask_buffers=() if mask is None else mask.buffers)
 
 
+# fp32 dots on the GPU where torch does not allow tf32: "tf32x3" (three tensor-core products of
+# the operands split into high and low tf32 parts: float32's accuracy, not tf32's) rather than
+# "ieee", which Triton lowers to unrolled FMA loops: 4.5x the PTX of a bf16 kernel and a first
+# compile of 9.2 s against 1.6 s for bf16 on the dev CPU (benchmarks/NOTES.md, "fp32 first
+# call"), 24.6 s on the H100 host; tf32x3 compiles in 3.8-4.4 s. FLEXGEN_FP32_DOT=ieee restores
+# plain FMA products (bit-for-bit torch's fp32 matmul without tf32).
+FP32_DOT = os.environ.get("FLEXGEN_FP32_DOT", "tf32x3")
+
+
 def dot_precision(query: torch.Tensor) -> str:
-    """fp32 inputs use tf32 on the GPU only where torch allows it for matmuls, as torch does."""
-    tf32 = (query.dtype == torch.float32 and query.device.type == "cuda"
-            and torch.backends.cuda.matmul.allow_tf32)
-    return "tf32" if tf32 else "ieee"
+    """fp32 inputs use tf32 on the GPU only where torch allows it for matmuls, as torch does;
+    otherwise ``FP32_DOT`` there (float32 accuracy), and "ieee" everywhere else (the CPU's
+    interpreter, fp16 / bf16, where the precision does not apply)."""
+    if query.dtype != torch.float32 or query.device.type != "cuda":
+        return "ieee"
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else FP32_DOT
 
 
 def tma_layout_ok(shape, strides, itemsize) -> bool:

@@ -7,19 +7,19 @@ mod and its derivatives are printed together (``print_joint``), so what they
 share is computed once. A derivative that does not exist (the score through a
 floor, a learned value used as an index) is a ``GradientError`` naming the mod
 and the offending sub-expression in the mod's own terms.
+
+The result is plain data: the restart index (``flexgen.codegen.index``) keeps
+it under the mod's traced program, so a warm process's first backward of a
+known mod imports neither sympy nor the printer (both are imported on a miss).
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
-import sympy
-from sympy.printing.str import StrPrinter
-
-from ..codegen.printer import Address, Snippet, cast, print_address, print_joint
+from ..codegen.snippet import Address, Snippet
 from ..codegen.spec import BufferSig
 from ..errors import GradientError
-from .expr import INDEX_SYMBOLS, SCORE, NotDifferentiable, derivative, load_applications
 from .lowering import lower
 from .trace import TracedMod
 
@@ -57,34 +57,35 @@ class LoweredGrad:
 
 
 _GRADS: dict = {}
-# q_idx - kv_idx of a tile diagonal: the address of a load whose index reads the positions
-# only through their difference (a relative-position bias) is printed in terms of it.
-DIAGONAL = sympy.Symbol("diag_d", integer=True)
 
 
 def _const(e) -> bool:
     return bool(e.is_number) and bool(e.is_finite)
 
 
-class _UserText(StrPrinter):
+def user_text(e) -> str:
     """sympy text in the mod's own terms: ``captured0[h, q_idx]``, ``(x).to(torch.int32)``."""
+    from sympy.printing.str import StrPrinter
 
-    def _print_Function(self, e):
-        name = e.func.__name__
-        if name.startswith("sbuf") and name[4:].isdigit():
-            return f"captured{name[4:]}[{', '.join(self._print(a) for a in e.args)}]"
-        if name == "Trunc":
-            return f"({self._print(e.args[0])}).to(torch.int32)"
-        if name == "Sigmoid":
-            return f"sigmoid({self._print(e.args[0])})"
-        return super()._print_Function(e)
+    class UserText(StrPrinter):
+        def _print_Function(self, e):
+            name = e.func.__name__
+            if name.startswith("sbuf") and name[4:].isdigit():
+                return f"captured{name[4:]}[{', '.join(self._print(a) for a in e.args)}]"
+            if name == "Trunc":
+                return f"({self._print(e.args[0])}).to(torch.int32)"
+            if name == "Sigmoid":
+                return f"sigmoid({self._print(e.args[0])})"
+            return super()._print_Function(e)
+
+    return UserText().doprint(e)
 
 
-def _describe(traced: TracedMod, what: str, err: NotDifferentiable, fix: str) -> GradientError:
+def _describe(traced: TracedMod, what: str, err, fix: str) -> GradientError:
     names = "; ".join(f"captured{i} is the tensor of shape {list(t.shape)}"
                       for i, t in enumerate(traced.buffers)
                       if re.search(rf"\bsbuf{i}\b", str(err.part)))
-    where = f"`{_UserText().doprint(err.part)}`" + (f", where {names}" if names else "")
+    where = f"`{user_text(err.part)}`" + (f", where {names}" if names else "")
     return GradientError(f"score_mod '{traced.name}': the gradient with respect to {what} cannot "
                          f"be computed: {err.reason} ({where}). Fix: {fix}")
 
@@ -101,6 +102,24 @@ def lower_grad(traced: TracedMod | None, grad_slots: tuple) -> LoweredGrad:
     hit = _GRADS.get(key)
     if hit is not None:
         return hit
+    from ..codegen import index
+    # The graph names the buffers' dtypes and ranks, all the result depends on besides the slots.
+    index_key = f"{traced.graph}\n{list(grad_slots)}"
+    found = index.get("grad", index_key)
+    hit = None if found is None else _from_record(found)
+    if hit is None:
+        hit = _lower_grad(traced, grad_slots)
+        index.put("grad", index_key, _record(hit))
+    if len(_GRADS) >= 4096:
+        _GRADS.clear()
+    _GRADS[key] = hit
+    return hit
+
+
+def _lower_grad(traced: TracedMod, grad_slots: tuple) -> LoweredGrad:
+    """The full path: sympy's derivatives, printed."""
+    from ..codegen.printer import print_address, print_joint
+    from .expr import INDEX_SYMBOLS, SCORE, NotDifferentiable, derivative, load_applications
     lowered = lower(traced)
     expr = lowered.expr
     name = traced.name
@@ -141,13 +160,15 @@ def lower_grad(traced: TracedMod | None, grad_slots: tuple) -> LoweredGrad:
     extra = dq.results[len(head):]
     scatters = []
     q_idx, kv_idx = INDEX_SYMBOLS["q_idx"], INDEX_SYMBOLS["kv_idx"]
+    # q_idx - kv_idx of a tile diagonal (the template binds ``diag_d``).
+    diagonal_symbol = sympy.Symbol("diag_d", integer=True)
     for n, (app, d, code) in enumerate(zip(loads, partials, extra)):
         grad_name = f"{app.func.__name__}_grad"
         free = app.free_symbols
         # Every element of a tile diagonal adds to one address when the index reads q_idx - kv_idx
         # only: the kernel sums the diagonals first (one atomic per diagonal, not per element;
         # same-address atomics serialize, and a relative bias sends a whole diagonal to one).
-        on_diagonal = app.subs(q_idx, kv_idx + DIAGONAL)
+        on_diagonal = app.subs(q_idx, kv_idx + diagonal_symbol)
         diagonal = q_idx in free and kv_idx in free and kv_idx not in on_diagonal.free_symbols
         scatters.append(Scatter(
             buffer=app.func.__name__, grad_name=grad_name,
@@ -156,15 +177,42 @@ def lower_grad(traced: TracedMod | None, grad_slots: tuple) -> LoweredGrad:
             address=print_address(on_diagonal if diagonal else app, grad_name, f"g{n}_")))
     grad_buffers = tuple(BufferSig(f"sbuf{i}_grad", traced.buffers[i].dim(), "float32")
                          for i in grad_slots)
-    hit = LoweredGrad(
+    return LoweredGrad(
         dq=_Part(dq.snippet(0), _score_grad(dq, score_grad_expr)),
         dkdv=_Part(dkdv.snippet(0), _score_grad(dkdv, score_grad_expr)),
         score_grad_const=score_grad_expr is None or _const(score_grad_expr),
         scatters=tuple(scatters), grad_buffers=grad_buffers)
-    if len(_GRADS) >= 4096:
-        _GRADS.clear()
-    _GRADS[key] = hit
-    return hit
+
+
+def _snippet_record(s: Snippet | None):
+    return None if s is None else [list(s.lines), s.result, s.kind, None if s.free is None else list(s.free)]
+
+
+def _snippet_of(r) -> Snippet | None:
+    return None if r is None else Snippet(tuple(r[0]), r[1], r[2], None if r[3] is None else tuple(r[3]))
+
+
+def _record(g: LoweredGrad) -> dict:
+    """What the restart index keeps of a LoweredGrad (JSON)."""
+    return dict(
+        parts=[[_snippet_record(p.snippet), p.score_grad] for p in (g.dq, g.dkdv)],
+        score_grad_const=g.score_grad_const,
+        scatters=[[s.buffer, s.grad_name, s.index_text, s.partial, s.partial_const, s.reduce_q,
+                   s.reduce_kv, s.reduce_diag, list(s.address.lines), s.address.offset,
+                   s.address.in_bounds]
+                  for s in g.scatters],
+        grad_buffers=[[b.name, b.ndim, b.dtype] for b in g.grad_buffers])
+
+
+def _from_record(r: dict) -> LoweredGrad | None:
+    try:
+        dq, dkdv = (_Part(_snippet_of(snippet), score_grad) for snippet, score_grad in r["parts"])
+        scatters = tuple(Scatter(*fields[:8], Address(tuple(fields[8]), fields[9], fields[10]))
+                         for fields in r["scatters"])
+        return LoweredGrad(dq, dkdv, bool(r["score_grad_const"]), scatters,
+                           tuple(BufferSig(n, int(d), t) for n, d, t in r["grad_buffers"]))
+    except (KeyError, TypeError, ValueError):
+        return None          # an entry of another layout: compute it again
 
 
 def _score_grad(joint, score_grad_expr) -> str | None:
@@ -174,6 +222,7 @@ def _score_grad(joint, score_grad_expr) -> str | None:
     if _const(score_grad_expr):
         # A number (score * 2 gives 2): a float literal, since a Python int has no .to().
         return repr(float(score_grad_expr))
+    from ..codegen.printer import cast
     return cast(joint.results[1], joint.kinds[1], "float")
 
 

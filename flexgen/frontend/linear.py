@@ -22,7 +22,7 @@ from ..codegen.printer import Address, Snippet, print_address, print_joint
 from ..codegen.spec import BufferSig
 from ..errors import GradientError
 from .expr import FEATURE, POSITION, NotDifferentiable, derivative, load_applications
-from .grad import _UserText
+from .grad import user_text
 from .lowering import lower
 from .trace import TracedMod
 
@@ -48,7 +48,7 @@ class DecayGrad:
 
 def _user_text(err) -> str:
     """The sub-expression a NotDifferentiable names, in the mod's own terms."""
-    return f"`{_UserText().doprint(err.part)}`"
+    return f"`{user_text(err.part)}`"
 
 
 def feature_code(traced: TracedMod | None, with_grad: bool) -> tuple:

@@ -7,8 +7,8 @@ the result (the snippet, the buffer signatures and a few facts about the
 expression) is plain data: a new process finds it in the restart index
 (``flexgen.codegen.index``) by the graph's text, without importing sympy. The
 sympy expression itself (``LoweredMod.expr``) is rebuilt on first use, for the
-callers that analyse it further (block-mask bounds without a recorded program,
-gradients, context parallelism).
+callers that analyse it further (gradients, context parallelism, index checks of
+captured tensors).
 """
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ class LoweredMod:
     transcendental: bool = False        # a score_mod with tanh, exp, ... (its own tile row)
     # A mask_mod's bounds on kv_idx for a given q_idx (``flexgen.masks.ranges``), or None.
     kv_range: tuple | None = None
-    # A mask_mod's block-bounds program (``flexgen.masks.bounds.compile_flags``), or None.
+    # A mask_mod's block-bounds program (``flexgen.masks.bounds.compile_flags``): plain
+    # tuples, so a warm process builds block masks without sympy. None for other mods.
     bounds: tuple | None = None
     graph: str = ""             # the traced program it came from
     prefix: str = ""            # "s", "m", "d" or "f": names its buffers

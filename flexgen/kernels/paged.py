@@ -197,6 +197,28 @@ class PagedKVCache:
             index = self._to_device([rows, cols, pages], torch.int64)
             self.page_table[index[0], index[1]] = index[2].to(torch.int32)
 
+    def advance(self, slots, counts) -> None:
+        """Count ``counts[b]`` more tokens in the sequence of ``slots[b]``, on the host only.
+
+        For CUDA graphs: a replayed graph that captured ``append`` wrote the tokens and grew
+        ``lengths`` on the device, but runs no Python, so the host's lengths (which
+        ``reserve``, ``attention`` and ``length`` read) are brought along here. The pages
+        must already hold the new tokens (``reserve`` them before the replay: a replay
+        cannot allocate).
+        """
+        slots = self._slots(slots)
+        counts = [int(c) for c in counts]
+        if len(counts) != len(slots) or min(counts, default=0) < 0:
+            raise expected("counts", f"{len(slots)} counts >= 0 (one per slot)", counts,
+                           "give each slot's number of tokens the replay appended")
+        for s, c in zip(slots, counts):
+            if self._lengths[s] + c > len(self._pages[s]) * self.page_size:
+                raise expected("slots", "sequences whose reserved pages hold the new tokens",
+                               f"slot {s} with {self._lengths[s]} + {c} tokens in "
+                               f"{len(self._pages[s])} pages", "call cache.reserve before the replay")
+        for s, c in zip(slots, counts):
+            self._lengths[s] += c
+
     def _to_device(self, values, dtype) -> torch.Tensor:
         """``values`` as a tensor on the cache's device, copied without waiting for the GPU."""
         t = torch.tensor(values, dtype=dtype)

@@ -122,7 +122,9 @@ def block_hits(lowered, traced, B, H, Q_LEN, KV_LEN, q_block, kv_block, device) 
     shape = (B, H, -(-Q_LEN // q_block), -(-KV_LEN // kv_block))
     hit = torch.empty((2, *shape), dtype=torch.int32, device=device)
     undecided, full = hit.unbind(0)
-    _, empty = bounds.block_flags(lowered.expr, B, H, Q_LEN, KV_LEN, q_block, kv_block,
+    # The recorded block-bounds program (no sympy in a warm process), or the expression.
+    program = lowered.bounds if lowered.bounds is not None else lowered.expr
+    _, empty = bounds.block_flags(program, B, H, Q_LEN, KV_LEN, q_block, kv_block,
                                   buffer_map(traced), device, out=full)
     # Undecided: neither full nor empty, i.e. full == empty (never both true;
     # were they, the block would count as undecided and be looked at).
@@ -168,13 +170,16 @@ def build(mask_buffers, mask_mod: str, B: int, H: int, Q_LEN: int, KV_LEN: int, 
           KV_BLOCK: int, device) -> torch.Tensor:
     """The lists of a mask_mod (its program text and captured tensors) over
     ``[B, H, Q_LEN, KV_LEN]`` in blocks of ``Q_BLOCK x KV_BLOCK``, laid out by ``layout``."""
-    from ..frontend.bounds_check import check_call_indices
     from ..frontend.lowering import lower
     from ..frontend.trace import TracedMod
     from ..runtime.checks import check_buffers
     traced = TracedMod.from_graph(mask_mod, mask_buffers)
     check_buffers(traced, device, like="the mask")
     lowered = lower(traced)
-    check_call_indices(None, traced, B, H, Q_LEN, KV_LEN)    # as torch's indexing would raise
+    if traced.buffers:
+        # As torch's indexing would raise (imported here: the check needs sympy, which a
+        # warm restart of a mask without captured tensors never loads).
+        from ..frontend.bounds_check import check_call_indices
+        check_call_indices(None, traced, B, H, Q_LEN, KV_LEN)
     hit = block_hits(lowered, traced, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device)
     return fill_lists(hit)

@@ -26,7 +26,7 @@ import operator
 import torch
 
 from ..runtime.checks import may_cache
-from . import bounds
+from .states import EMPTY, FULL, PARTIAL
 
 # Undecided blocks are evaluated in chunks of at most this many mask elements,
 # so temporaries stay bounded (2**24 bools are 16 MiB, an int64 index tile 128 MiB).
@@ -596,4 +596,4 @@ def classify_blocks(lowered, buffers, blocks: torch.Tensor, Q_LEN: int, KV_LEN: 
     return out
 
 
-assert (bounds.EMPTY, bounds.PARTIAL, bounds.FULL) == (0, 1, 2), "classify_blocks adds min and max"
+assert (EMPTY, PARTIAL, FULL) == (0, 1, 2), "classify_blocks adds min and max"

@@ -54,6 +54,11 @@ _BACKWARD = {
     256: dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1),
 }
 DEFAULTS = {"forward": _FORWARD, "backward.dq": _BACKWARD, "backward.dkdv": _BACKWARD}
+# fp32 tiles are twice the bytes: the forward's 128 x 64 tiles with 3 stages need 225 KiB of
+# shared memory with FMA products and 256 KiB with tensor-core (tf32 / tf32x3) ones, past an
+# H100's 227 KiB. 64 x 64 with 2 stages: 192 KiB, and a first compile of 4.4 s against 9.2 s
+# (ieee, 128 x 64) on the dev CPU (benchmarks/NOTES.md, "fp32 first call").
+FLOAT32 = {("forward", 128): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)}
 
 # (kernel, GPU, dtype, padded head dim) -> configuration, each measured by
 # benchmarks/tune.py on that GPU: the configuration with the best geometric mean
@@ -130,6 +135,8 @@ def table_row(kernel: str, head_dim: int, dtype: str, device: torch.device) -> d
             row = TUNED.get((name, gpu, dt, padded))
             if row is not None:
                 return dict(row)
+    if dtype == "float32" and (base, padded) in FLOAT32:
+        return dict(FLOAT32[(base, padded)])
     return dict(next(DEFAULTS[base][d] for d in (64, 128, 256) if head_dim <= d))
 
 
