@@ -99,8 +99,16 @@ def varlen_cases(args, timer, device):
     doc_row = case("flexgen document mask", lambda: flexgen.flex_attention(q4, k4, v4, block_mask=mask))
     var_row = case("flexgen varlen", lambda: flexgen.varlen_attention(
         q, k, v, cu, cu, max(lens), max(lens), mask_mod=causal), ref)
-    if "ms" in doc_row and "ms" in var_row:
-        var_row["vs_doc"] = doc_row["ms"] / var_row["ms"]
+    # The Triton-language kernel (AUTO takes the Gluon one on sm_90 from 2^30 packed scores),
+    # with the tile table's tiles and with the block-mask row's (128 x 128, 8 warps, 2 stages).
+    tl_rows = [case(f"flexgen varlen, tl kernel{label}", lambda o=o: flexgen.varlen_attention(
+        q, k, v, cu, cu, max(lens), max(lens), mask_mod=causal, kernel_options=o), ref)
+        for label, o in (("", {"BACKEND": "tl"}),
+                         (" 128x128 w8 s2", {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8,
+                                             "num_stages": 2}))]
+    for row in (var_row, *tl_rows):
+        if "ms" in doc_row and "ms" in row:
+            row["vs_doc"] = doc_row["ms"] / row["ms"]
     try:
         from flash_attn import flash_attn_varlen_func
         case("flash_attn_varlen_func", lambda: flash_attn_varlen_func(

@@ -154,3 +154,89 @@ def test_errors_name_the_argument():
         flexgen.varlen_attention(q[None], q, q, offsets([4]), offsets([4]), 4, 4)
     with pytest.raises(InputError, match="max_seqlen_q"):
         flexgen.varlen_attention(q, q, q, offsets([4]), offsets([4]), torch.tensor(4), 4)
+
+
+# ------------------------------------------------------------------------- the Gluon kernel (sm_90)
+#
+# Where flex_attention would take the Gluon forward (AUTO from GLUON_MIN_SCORES scores of the
+# packed views, or BACKEND "gluon"), varlen takes its varlen form: TMA loads through the packed
+# [1, H, total, D] views, pointer stores of each sequence's rows. Gluon does not run in the
+# interpreter: on CPU the variants compile for sm_90; the oracle comparisons need the GPU.
+
+import conftest  # noqa: E402
+from flexgen.codegen import cache  # noqa: E402
+from flexgen.runtime import aot  # noqa: E402
+from flexgen.runtime import plan as plan_module  # noqa: E402
+
+GLUON = {"BACKEND": "gluon"}
+ON_HOPPER = (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+             and plan_module.gluon_refusal("cuda", (9, 0), torch.bfloat16, 64, 64) is None)
+
+
+def chunked_softcap(score, b, h, q_idx, kv_idx):
+    return 20.0 * torch.tanh(score / 20.0) + 0.01 * (q_idx - kv_idx)
+
+
+# (Hq, Hkv, D, q_lens, k_lens, score_mod, mask_mod): empty and one-token sequences, a ragged
+# last tile, chunked prefill (fewer queries than keys), GQA, no mask and the window's band.
+GLUON_CASES = {
+    "causal_d128": (4, 4, 128, [5, 0, 1, 300, 130, 128, 77], None, None, causal),
+    "plain_gqa_d64": (4, 2, 64, [129, 0, 64, 257], None, None, None),
+    "window_chunked_d128": (2, 1, 128, [40, 3, 200, 0], [300, 3, 450, 9], chunked_softcap, window),
+}
+
+
+def gluon_case(name, device):
+    Hq, Hkv, D, q_lens, k_lens, score, mask = GLUON_CASES[name]
+    k_lens = k_lens or q_lens
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(sum(n), h, D, generator=gen).to(device, torch.bfloat16)
+               for n, h in ((q_lens, Hq), (k_lens, Hkv), (k_lens, Hkv)))
+    return q, k, v, offsets(q_lens).to(device), offsets(k_lens).to(device), q_lens, k_lens, score, mask
+
+
+@pytest.mark.skipif(not conftest.AOT_ENABLED, reason="FLEXGEN_TEST_AOT=0")
+@pytest.mark.parametrize("name", sorted(GLUON_CASES))
+def test_gluon_varlen_compiles_for_sm90(monkeypatch, name):
+    monkeypatch.setattr(plan_module, "gluon_unavailable", lambda query, D, Dv: None)
+    plan_module.clear_memos()
+    try:
+        q, k, v, cu_q, cu_k, _, _, score, mask = gluon_case(name, "cpu")
+        from flexgen.frontend.trace import trace_cached
+        from flexgen.runtime.options import parse_options
+        s = None if score is None else trace_cached(score, "score_mod")
+        m = None if mask is None else trace_cached(mask, "mask_mod")
+        plan = plan_module.plan_varlen(q, k, v, cu_q, cu_k, s.graph if s else "", s.buffers if s else (),
+                                       m.graph if m else "", m.buffers if m else (), 0.125, True,
+                                       parse_options(GLUON).text)
+        assert plan.spec.template == "forward_gluon" and plan.spec.varlen
+        assert plan.tl_spec.template == "forward"
+        module = cache.load(plan.spec, interpret=False)
+        out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype)
+        lse = torch.empty(q.shape[1], q.shape[0])
+        grid, args, constexprs = module.arguments(
+            q=q, k=k, v=v, out=out, lse=lse, cu_q=cu_q, cu_k=cu_k, score_buffers=s.buffers if s else (),
+            mask_buffers=m.buffers if m else (), scale=0.125, max_scores=None)
+        ptx = aot.compile_launch(plan.spec, args, constexprs).asm["ptx"]
+        assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    finally:
+        plan_module.clear_memos()
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU and Triton's Gluon")
+@pytest.mark.parametrize("name", sorted(GLUON_CASES))
+def test_gluon_varlen_matches_the_oracle_and_the_tl_kernel(name):
+    q, k, v, cu_q, cu_k, q_lens, k_lens, score, mask = gluon_case(name, "cuda")
+    outs = {}
+    for backend in ("gluon", "tl"):
+        outs[backend] = flexgen.varlen_attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens),
+                                                 score_mod=score, mask_mod=mask, enable_gqa=True,
+                                                 return_lse=True, kernel_options={"BACKEND": backend})
+    ref, ref_lse = padded_reference(q.cpu().float(), k.cpu().float(), v.cpu().float(), q_lens, k_lens,
+                                    score, mask, enable_gqa=True)
+    (out, lse), (out_tl, lse_tl) = outs["gluon"], outs["tl"]
+    torch.testing.assert_close(out.cpu().double(), ref, atol=2e-2, rtol=2e-2)
+    live = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse.cpu().double()[live], ref_lse[live], atol=2e-3, rtol=2e-3)
+    assert torch.isneginf(lse.cpu()[~live]).all() and torch.equal(torch.isneginf(lse), torch.isneginf(lse_tl))
+    torch.testing.assert_close(out.float(), out_tl.float(), atol=2e-2, rtol=2e-2)

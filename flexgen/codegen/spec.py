@@ -25,9 +25,10 @@ from .snippet import Snippet
 # Full-tile mod results and FLEXGEN_DEBUG's kernel_jit changed forward, backward, decode
 # and block_mask's; the fused RoPE paged_write's, packed mixed steps decode's. backward 6: the
 # tile macros of common.py.jinja; the dQ kernel's dO and out loads spell out their mask
-# instead of sharing a v_mask variable.)
+# instead of sharing a v_mask variable. forward 6: varlen's full tiles without bounds checks;
+# forward_gluon 2: its varlen form.)
 SIGMOID_REVISION = 3
-TEMPLATE_VERSIONS = {"forward": 5, "forward_gluon": 1, "block_mask": 2,
+TEMPLATE_VERSIONS = {"forward": 6, "forward_gluon": 2, "block_mask": 2,
                      "decode": 3, "decode_merge": 1, "paged_write": 2,
                      "backward": 8, "linear": 3, "linear_decode": 1}
 

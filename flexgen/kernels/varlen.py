@@ -10,10 +10,14 @@ launch can be captured in a CUDA graph.
 from __future__ import annotations
 
 import torch
+from triton.compiler.errors import CompilationError
 
+from ..codegen.spec import tma_addressable
 from ..runtime import launch
+from ..runtime.plan import packed_view
 from ..runtime.poison import poison
 from .backward import buffer_grads, gradient_buffers
+from .forward import _gluon_failed as _forward_gluon_failed
 
 
 def run_varlen(plan, query, key, value, cu_q, cu_k, score_buffers, mask_buffers):
@@ -24,10 +28,28 @@ def run_varlen(plan, query, key, value, cu_q, cu_k, score_buffers, mask_buffers)
     out = torch.empty(total_q, Hq, plan.base.Dv, dtype=query.dtype, device=device)
     lse = torch.empty(Hq, total_q, dtype=torch.float32, device=device)
     poison(out, lse)
-    launch.run(plan.spec, device, dict(q=query, k=key, v=value, out=out, lse=lse, cu_q=cu_q, cu_k=cu_k,
-                                       score_buffers=score_buffers, mask_buffers=mask_buffers,
-                                       scale=plan.base.scale))
+    inputs = dict(q=query, k=key, v=value, out=out, lse=lse, cu_q=cu_q, cu_k=cu_k,
+                  score_buffers=score_buffers, mask_buffers=mask_buffers, scale=plan.base.scale)
+    spec = plan.spec
+    if spec.template == "forward_gluon" and not all(
+            tma_addressable(packed_view(t)) for t in (query, key, value)):
+        spec = plan.tl_spec            # a base TMA cannot address: the pointer kernel
+    try:
+        launch.run(spec, device, inputs)
+    except CompilationError as err:
+        if spec.template != "forward_gluon":
+            raise
+        launch.run(_gluon_failed(plan, err), device, inputs)
     return out, lse
+
+
+def _gluon_failed(plan, err):
+    """As the forward's: under BACKEND "gluon" an InputError naming the compile error; under
+    AUTO the plan keeps the tl kernel from now on (returned)."""
+    if plan.base.options.BACKEND == "gluon":
+        _forward_gluon_failed(plan.base, err)          # raises
+    plan.spec, plan.tl_spec = plan.tl_spec, None
+    return plan.spec
 
 
 def run_varlen_backward(bw, plan, query, key, value, out, lse, grad_out, grad_lse, cu_q, cu_k,

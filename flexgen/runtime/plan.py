@@ -547,11 +547,13 @@ _VARLEN: dict = {}
 @dataclass
 class VarlenPlan:
     """A checked ``varlen_attention`` call: flex_attention's plan of the packed views, and its
-    varlen forward spec."""
+    varlen forward spec (the Gluon kernel's where AUTO or "gluon" takes it, with the tl
+    kernel's in ``tl_spec`` for inputs TMA cannot address or a Triton it does not compile on)."""
     base: AttentionPlan
     spec: KernelSpec
     num_seqs: int
     backward: dict = field(default_factory=dict, repr=False)
+    tl_spec: KernelSpec | None = None
 
 
 def packed_view(t):
@@ -607,9 +609,24 @@ def _plan_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, score_mod, score
                        "leave USE_TMA out: packed sequences are read through pointers")
     # The forward kernel always (a decode-length packed batch is still many sequences), by pointers.
     forward = dataclasses.replace(opts, BACKEND="TRITON", USE_TMA=False).text
-    base = plan_attention(packed_view(query), packed_view(key), packed_view(value), score_mod,
-                          score_buffers, mask_mod, mask_buffers, (), (), (), scale, enable_gqa, forward)
-    return VarlenPlan(base, varlen_spec(base.spec, base.mask), cu_seqlens_q.shape[0] - 1)
+    views = packed_view(query), packed_view(key), packed_view(value)
+    base = plan_attention(*views, score_mod, score_buffers, mask_mod, mask_buffers, (), (), (), scale,
+                          enable_gqa, forward)
+    tl = varlen_spec(base.spec, base.mask)
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    # The Gluon kernel as flex_attention takes it (AUTO: from GLUON_MIN_SCORES scores of the
+    # packed views, no tiles of the caller's; "gluon": always, or an InputError saying why not).
+    _, Hq, total_q, _ = views[0].shape
+    auto = (opts.BACKEND == "AUTO" and GLUON_AUTO and not opts.sets_tiles
+            and Hq * total_q * views[1].shape[2] >= GLUON_MIN_SCORES)
+    if auto or opts.BACKEND == "gluon":
+        gluon, why = _gluon_spec(*views, base.score, base.mask, None, opts)
+        if why is not None and opts.BACKEND == "gluon":
+            raise expected("kernel_options['BACKEND']", "'gluon' only where the Gluon kernel runs",
+                           why, "use BACKEND 'AUTO' or 'tl' (the Triton-language kernel)")
+        if gluon is not None:
+            return VarlenPlan(base, varlen_spec(gluon, base.mask), num_seqs, tl_spec=tl)
+    return VarlenPlan(base, tl, num_seqs)
 
 
 def varlen_spec(spec, mask):
