@@ -118,6 +118,8 @@ def lower_grad(traced: TracedMod | None, grad_slots: tuple) -> LoweredGrad:
 
 def _lower_grad(traced: TracedMod, grad_slots: tuple) -> LoweredGrad:
     """The full path: sympy's derivatives, printed."""
+    import sympy
+
     from ..codegen.printer import print_address, print_joint
     from .expr import INDEX_SYMBOLS, SCORE, NotDifferentiable, derivative, load_applications
     lowered = lower(traced)
