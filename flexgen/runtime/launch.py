@@ -11,6 +11,7 @@ repeats a planned call can ``Replay`` it with new leading tensors.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import threading
 
@@ -112,6 +113,20 @@ def run(spec: KernelSpec, device: torch.device, inputs: dict, tune_blocks: tuple
     return None
 
 
+def _recorded(arg):
+    """What a recorded launch keeps of an argument: a tensor (also a descriptor's base) as an
+    empty meta tensor of its dtype, all the ahead-of-time compile reads. Holding the real one
+    kept memory of a CUDA graph's pool alive past the graph (torch.compile's reduce-overhead
+    refuses that)."""
+    if isinstance(arg, torch.Tensor):
+        return torch.empty(0, dtype=arg.dtype, device="meta")
+    if isinstance(getattr(arg, "base", None), torch.Tensor):     # a TMA descriptor
+        stand_in = copy.copy(arg)
+        object.__setattr__(stand_in, "base", _recorded(arg.base))
+        return stand_in
+    return arg
+
+
 class Replay:
     """A launch made again with new tensors in its first ``n`` arguments, nothing else recomputed.
 
@@ -199,7 +214,7 @@ def _launch_once(spec: KernelSpec, device: torch.device, inputs):
     module = cache.load(spec, interpret=interpret)
     grid, args, constexprs = module.arguments(**inputs)
     if RECORDED is not None:
-        RECORDED.append((spec, args, constexprs))
+        RECORDED.append((spec, tuple(_recorded(a) for a in args), constexprs))
     if "DOT_UPCAST" in module.KERNEL.arg_names:
         # The interpreter's bf16 tl.dot is wrong; kernels multiply in float32 there.
         constexprs = dict(constexprs, DOT_UPCAST=interpret)
