@@ -26,7 +26,7 @@ from .snippet import Snippet
 # tile macros of common.py.jinja; the dQ kernel's dO and out loads spell out their mask
 # instead of sharing a v_mask variable.)
 SIGMOID_REVISION = 3
-TEMPLATE_VERSIONS = {"forward": 5, "forward_gluon": 1, "backward_gluon": 1, "block_mask": 2,
+TEMPLATE_VERSIONS = {"forward": 5, "forward_gluon": 1, "backward_gluon": 2, "block_mask": 2,
                      "decode": 3, "decode_merge": 1, "paged_write": 2,
                      "backward": 6, "linear": 2, "linear_decode": 1}
 
