@@ -229,10 +229,12 @@ def test_gluon_learned_bias_gradient_comes_from_the_tl_dq_kernel():
     """A captured tensor that requires grad: the tl dQ kernel scatters its gradient, the Gluon
     dK/dV kernel reads the tensor only."""
     q, k, v = make_qkv(B=1, H=4, Hkv=2, L=700, D=64, dtype=torch.bfloat16, device="cuda")
-    bias = torch.linspace(-0.5, 0.5, 4, device="cuda").requires_grad_()
+    # A bias per key (a per-head one shifts whole rows: its exact gradient is 0, and the
+    # check would compare rounding noise with 0).
+    bias = (0.5 * torch.randn(700, device="cuda")).requires_grad_()
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        return score + bias[h]
+        return score + bias[kv_idx]
     bm = create_block_mask(M.causal_mask, None, None, 700, 700, device="cuda")
     check_gradients(q, k, v, score_mod, bm, learned=[bias])
 
