@@ -43,6 +43,11 @@ torch flex cannot run (an error, or CPU in --smoke runs: torch has no CPU
 flex backward) and the case is small, the dense float32 reference
 (``flexgen.reference``) stands in.
 
+``--backends tl,gluon`` also times flexgen once per kernel_options BACKEND in the same
+case (on top of ``--flexgen-options``): "tl" (tl forward, tl backward), "gluon" (the Gluon
+forward and dK/dV kernels, the tl dQ kernel), "AUTO"; each is checked like the main
+flexgen run and printed as a table of its own (bwd and fwd+bwd ms, ratio to torch).
+
 ``--flexgen-options JSON`` passes a dict as flexgen's ``kernel_options`` in every
 flexgen call (as in ``bench_forward.py``), e.g. ``{"USE_TMA": false}`` / ``{"USE_TMA":
 true}`` to compare the pointer and TMA kernels (the backward follows the forward's
@@ -263,7 +268,7 @@ def run_case(D, variant, L, args, timer, cuda, seed) -> dict:
         r["check"] = "PASS" if r["check_rel"] <= CHECK_TOL else "FAIL"    # NaN fails (NaN <= x is False)
     else:
         r["check"] = "n/a"
-    del fg_grads, ref_grads
+    del fg_grads
 
     # SDPA backends (full and causal only)
     if variant in SDPA_VARIANTS and not args.skip_sdpa:
@@ -294,11 +299,34 @@ def run_case(D, variant, L, args, timer, cuda, seed) -> dict:
                 r[f"sdpa_best_{p}"], r[f"sdpa_best_{p}_ms"] = best, got[best]
                 r[f"sdpa_best_{p}_tflops"] = r[f"sdpa_{best}_{p}_tflops"]
 
+    # The other kernel families (--backends), on the same inputs, checked like the main run.
+    for backend in args.backends:
+        b_options = dict(options or {}, BACKEND=backend)
+        prefix = f"backend_{backend}"
+        try:
+            def fb(q, k, v, b_options=b_options):
+                return flexgen.flex_attention(q, k, v, score_mod=score_mod, block_mask=fg_mask,
+                                              kernel_options=b_options)
+            b_grads, r[f"{prefix}_kernels"] = recording_kernels(lambda: grads(fb, *sets[0]))
+            record(prefix, time_training(fb, sets, timer))
+            if ref_grads is not None:
+                r[f"{prefix}_check_rel"] = worst(compare(b_grads, ref_grads))
+            del b_grads
+            if r.get("torch_bwd_ms"):
+                r[f"{prefix}_vs_torch_bwd"] = r["torch_bwd_ms"] / r[f"{prefix}_bwd_ms"]
+                r[f"{prefix}_vs_torch_fwdbwd"] = r["torch_fwdbwd_ms"] / r[f"{prefix}_fwdbwd_ms"]
+        except Timeout:
+            raise
+        except Exception as e:
+            _check_stop()
+            r[f"{prefix}_error"] = error_text(e)
+            free_memory(cuda)
+
     # flexgen's backward again: the spread between its two timings is the noise of this case
     graphs = [(fg(q, k, v), q, k, v, dout) for q, k, v, dout in sets]
     r["flexgen_bwd_ms_repeat"] = timer(rotating(
         lambda out, q, k, v, dout: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), graphs))
-    del graphs
+    del graphs, ref_grads
     r["flexgen_bwd_spread_pct"] = 100 * abs(r["flexgen_bwd_ms_repeat"] - r["flexgen_bwd_ms"]) / r["flexgen_bwd_ms"]
     for p in ("bwd", "fwdbwd"):
         if r.get(f"torch_{p}_ms"):
@@ -343,6 +371,27 @@ def table(payload) -> str:
     lines.append("TF/s: useful work only (fwd 4, bwd 10, fwd+bwd 14 x B*H*D*unmasked pairs); ratio = peer ms / "
                  "flexgen ms (>1: flexgen faster); sdpa = fastest backend; ±%: flexgen bwd timed twice; "
                  f"check: max|dq,dk,dv - torch flex| / max|torch flex| (FAIL > {CHECK_TOL:g})")
+    backends = payload.get("config", {}).get("backends") or []
+    if backends:
+        lines.append("")
+        lines.append("per BACKEND (kernel_options), same inputs and run: ms, and torch ms / that ms")
+        head = f"{'D':>3} {'variant':<14} {'L':>6} {'BACKEND':<7} | {'bwd ms':>8} {'vs torch':>8} | " \
+               f"{'fwd+bwd ms':>10} {'vs torch':>8} | {'fwd ms':>7} | {'check':<7} | dK/dV kernel"
+        lines += [head, "-" * len(head)]
+        for r in payload.get("cases", []):
+            for b in backends:
+                p = f"backend_{b}"
+                if f"{p}_bwd_ms" not in r:
+                    if f"{p}_error" in r:
+                        lines.append(f"{r['D']:>3} {r['variant']:<14} {r['L']:>6} {b:<7} | ERROR {r[f'{p}_error'][:100]}")
+                    continue
+                kernels = r.get(f"{p}_kernels") or {}
+                dkdv = "gluon" if "backward_gluon" in kernels else "tl" if "backward.dkdv" in kernels else "?"
+                lines.append(
+                    f"{r['D']:>3} {r['variant']:<14} {r['L']:>6} {b:<7} | {r[f'{p}_bwd_ms']:8.3f} "
+                    f"{f(r.get(f'{p}_vs_torch_bwd'), '8.2f'):>8} | {r[f'{p}_fwdbwd_ms']:10.3f} "
+                    f"{f(r.get(f'{p}_vs_torch_fwdbwd'), '8.2f'):>8} | {r[f'{p}_fwd_ms']:7.3f} | "
+                    f"{f(r.get(f'{p}_check_rel'), '7.1e'):<7} | {dkdv}")
     # Footnotes, one line per distinct message with the cases it concerns (a smoke run has the same
     # torch error six times).
     notes = {}
@@ -377,10 +426,13 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-sdpa", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (interpreter): tests the script")
     ap.add_argument("--out", default=None, help="output folder (default $OUT, else benchmarks/results)")
+    ap.add_argument("--backends", default="", help="also time flexgen with these kernel_options BACKEND "
+                    "values, e.g. tl,gluon,AUTO")
     ap.add_argument("--flexgen-options", type=parse_options, default=None, metavar="JSON",
                     help='flexgen kernel_options for every flexgen call, e.g. \'{"USE_TMA": true}\'')
     args = ap.parse_args(argv)
 
+    args.backends = [b for b in args.backends.split(",") if b]
     cuda = not args.smoke
     if cuda and not torch.cuda.is_available():
         print("bench_backward: no CUDA device; use --smoke for the CPU run", file=sys.stderr)
@@ -413,7 +465,7 @@ def main(argv=None) -> int:
                                                             fwdbwd=FWD_FLOPS + BWD_FLOPS),
                                         check_tol=CHECK_TOL, donated_buffer_was=donated,
                                         grid=[list(g) for g in grid], argv=sys.argv[1:],
-                                        flexgen_options=args.flexgen_options),
+                                        flexgen_options=args.flexgen_options, backends=args.backends),
                    cases=[])
     print(f"bench_backward on {env['device_name']}: torch {env['torch']}, triton {env['triton']}, "
           f"{len(grid)} cases, budget {args.budget:.0f} s -> {json_path}"

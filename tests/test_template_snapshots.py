@@ -3,10 +3,10 @@
 tests/test_snapshots.py keeps one forward (pointer) kernel per mod in flexgen.mods; this
 file keeps the other templates and variants: the forward's TMA variant, the backward's
 dQ and dK/dV kernels (pointer and TMA, and the dQ kernel's deterministic fixed-point
-scatter), decode, decode_merge, block_mask and paged_write (linear and linear_decode:
-tests/test_linear.py). Each case renders a spec the way the runtime makes it (nothing
-is launched, so a CPU renders TMA kernels too), with a padded head dim (80 -> 128, 48 ->
-64) where the template masks head-dim lanes. Files: tests/snapshots/test_template_snapshots/.
+scatter), the Gluon dK/dV kernel, decode, decode_merge, block_mask and paged_write
+(linear and linear_decode: tests/test_linear.py). Each case renders a spec the way the
+runtime makes it (nothing is launched, so a CPU renders TMA and Gluon kernels too), with a
+padded head dim (80 -> 128, 48 -> 64) where the template masks head-dim lanes. Files: tests/snapshots/test_template_snapshots/.
 
 Rewrite them after an intended template change, and review the diff like code::
 
@@ -82,6 +82,25 @@ def attention(part, score_mod=None, mask_mod=None, options=None, det=False, Lq=L
     return render
 
 
+def gluon_dkdv(score_mod=None, mask_mod=None, D=64, block=None):
+    """The Gluon dK/dV kernel (sm_90), planned as on a Hopper GPU and rendered on CPU."""
+    def render():
+        from flexgen.runtime import plan as plan_module
+        real = plan_module.gluon_unavailable
+        plan_module.gluon_unavailable = lambda query, D, Dv: None
+        plan_module.clear_memos()
+        try:
+            q, k, v = qkv(L, D, D)
+            mask = None if mask_mod is None else create_block_mask(
+                mask_mod, 1, None, L, L, device="cpu", **({} if block is None else {"BLOCK_SIZE": block}))
+            return kernel_source(q, k, v, score_mod, mask, enable_gqa=True,
+                                 kernel_options={"BACKEND": "gluon"}, part="dkdv")
+        finally:
+            plan_module.gluon_unavailable = real
+            plan_module.clear_memos()
+    return render
+
+
 def decode_api(score_mod, mask_mod, D=64, Dv=64):
     """decode_attention's kernel (a mask_mod evaluated per position, no block lists)."""
     def render():
@@ -138,6 +157,11 @@ CASES = {
     "dkdv_tma_padded_no_mods": ("backward", "DV.store(", attention("dkdv", options=TMA, **PAD)),
     "dkdv_padded_alibi_document": ("backward", "< 80", attention(
         "dkdv", M.alibi(slopes=M.alibi_slopes(4)), M.document_mask(DOC), **PAD)),
+    # backward: the Gluon dK/dV kernel (sm_90): two consumer warpgroups, and one (KV_BLOCK 64)
+    "dkdv_gluon_softcap_causal": ("backward_gluon", "warpgroup_mma(", gluon_dkdv(
+        M.tanh_softcap(30.0), M.causal_mask)),
+    "dkdv_gluon_alibi_document_kv64_d128": ("backward_gluon", "CONSUMERS = gl.constexpr(1)", gluon_dkdv(
+        M.alibi(slopes=M.alibi_slopes(4)), M.document_mask(DOC), D=128, block=(128, 64))),
     # decode (a few queries)
     "decode_softcap_document": ("decode", "VISIT_IDX", attention("forward", M.tanh_softcap(30.0),
                                                                  M.document_mask(DOC), Lq=1)),

@@ -26,9 +26,10 @@ from .snippet import Snippet
 # and block_mask's; the fused RoPE paged_write's, packed mixed steps decode's. backward 6: the
 # tile macros of common.py.jinja; the dQ kernel's dO and out loads spell out their mask
 # instead of sharing a v_mask variable. forward 6: varlen's full tiles without bounds checks;
-# forward_gluon 2: its varlen form.)
+# forward_gluon 2: its varlen form; 3: the Gluon helpers moved into common.py.jinja
+# macros shared with backward_gluon.)
 SIGMOID_REVISION = 3
-TEMPLATE_VERSIONS = {"forward": 6, "forward_gluon": 2, "block_mask": 2,
+TEMPLATE_VERSIONS = {"forward": 6, "forward_gluon": 3, "backward_gluon": 2, "block_mask": 2,
                      "decode": 3, "decode_merge": 1, "paged_write": 2,
                      "backward": 8, "linear": 3, "linear_decode": 1}
 

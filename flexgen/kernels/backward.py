@@ -29,6 +29,13 @@ takes it when its forward spec did (the same ``USE_TMA`` option and default)
 and every tensor it would address that way can be (``spec.tma_addressable``: the
 upstream gradient autograd hands over can have any strides); otherwise that
 call runs the pointer kernels.
+
+On sm_90 the dK/dV part also has a Gluon kernel (``templates/backward_gluon.py.jinja``,
+``plan.gluon_dkdv_spec``): warp-specialized, a TMA producer warp streaming Q and dO
+through an mbarrier ring to consumer warpgroups that own 64 keys each (async wgmma).
+BACKEND "gluon" takes it (an InputError where it cannot run); a call whose tensors TMA
+cannot address runs the tl kernel. It scatters nothing: captured tensors' gradients
+come from the tl dQ kernel, which always runs first.
 """
 from __future__ import annotations
 
@@ -36,8 +43,10 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+from triton.compiler.errors import CompilationError
 
 from ..codegen.spec import KernelSpec, tma_addressable
+from ..errors import expected
 from ..frontend.lowering import lower
 from ..runtime import launch
 from ..runtime.poison import poison
@@ -81,6 +90,9 @@ class BackwardPlan:
     pointer: tuple | None         # TMA dq, dkdv: their pointer variants (for tensors TMA cannot address)
     grad_slots: tuple             # score buffers that receive a gradient
     tune_blocks: tuple | None     # sparse block sizes the autotuner's tiles divide; None: fixed tiles
+    # The Gluon dK/dV kernel (sm_90) where the plan takes it (``plan.gluon_dkdv_spec``), else
+    # None. dkdv stays the tl kernel: what runs where a tensor TMA cannot address comes to it.
+    gluon_dkdv: BackwardSpec | None = None
 
 
 def _tiles(t: dict) -> dict:
@@ -179,14 +191,52 @@ def run_backward(bw: BackwardPlan, plan, query, key, value, out, lse, grad_out, 
                   dq=dq, dk=dk, dv=dv, score_buffers=score_buffers, mask_buffers=mask_buffers,
                   scale=plan.scale, **({"bias": bias} if sigmoid else {}))
     dq_spec, dkdv_spec = _pick(bw, (query, key, value, out, grad_out, dq, dk, dv), query.dtype)
+    # The dQ kernel runs first in any case: it writes delta, which the dK/dV kernel reads.
     launch.run(dq_spec, device, dict(common, sparse=kv_sparse, grad_buffers=grads),
                tune_blocks=bw.tune_blocks)
     if needs_kv:
-        launch.run(dkdv_spec, device, dict(common, sparse=q_sparse, grad_buffers=()),
-                   tune_blocks=bw.tune_blocks)
+        gluon = _gluon_dkdv(bw, (query, key, value, grad_out, dk, dv), query.dtype)
+        dkdv_inputs = dict(common, sparse=q_sparse, grad_buffers=())
+        if gluon is None:
+            launch.run(dkdv_spec, device, dkdv_inputs, tune_blocks=bw.tune_blocks)
+        else:
+            try:
+                launch.run(gluon, device, dkdv_inputs)
+            except CompilationError as err:
+                _gluon_failed(plan, gluon, err)
+                launch.run(dkdv_spec, device, dkdv_inputs, tune_blocks=bw.tune_blocks)
         if shared_kv:
             dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
     return dq, dk, dv, buffer_grads(bw, grads, score_buffers)
+
+
+# Keys of Gluon dK/dV specs that failed to compile with this Triton (AUTO then runs the tl
+# kernel for them from there on).
+_GLUON_FAILED: set = set()
+
+
+def _gluon_dkdv(bw: BackwardPlan, tensors, dtype):
+    """The plan's Gluon dK/dV spec where it has one that compiled and every tensor it reads
+    through TMA descriptors can be (an expanded or sliced upstream gradient, a key shared by
+    the batch, cannot: the tl kernel takes those calls), else None."""
+    gluon = bw.gluon_dkdv
+    if gluon is None or gluon.key in _GLUON_FAILED:
+        return None
+    if not all(t.dtype == dtype and tma_addressable(t) for t in tensors):
+        return None
+    return gluon
+
+
+def _gluon_failed(plan, spec, err) -> None:
+    """The Gluon dK/dV kernel did not compile with this Triton (its API moves between
+    releases): under BACKEND "gluon" an InputError saying so; under AUTO the tl kernel runs
+    this call and every later one of the spec."""
+    if plan.options.BACKEND == "gluon":
+        import triton
+        raise expected("kernel_options['BACKEND']", "'gluon' where the Gluon dK/dV kernel compiles",
+                       f"a compile error with Triton {triton.__version__}: {str(err)[-400:]}",
+                       "use BACKEND 'AUTO' or 'tl' (the Triton-language kernels)") from err
+    _GLUON_FAILED.add(spec.key)
 
 
 def gradient_buffers(bw: BackwardPlan, score_buffers, device) -> list:

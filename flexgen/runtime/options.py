@@ -35,8 +35,10 @@ OPTIONS = {
 # BACKEND values: AUTO picks by shape (the decode kernel for at most 16 queries per
 # sequence, else the forward kernel); TRITON always the forward kernel; TRITON_DECODE
 # always the decode kernel (torch's names). "tl" is AUTO with Triton-language templates
-# only; "gluon" always the Gluon forward kernel (sm_90, fp16 / bf16, head dims 64 and 128;
-# anything else is an InputError saying why). AUTO does not pick Gluon (see plan.GLUON_AUTO).
+# only; "gluon" always the Gluon forward kernel and the Gluon dK/dV backward kernel (sm_90,
+# fp16 / bf16, head dims 64 and 128; anything else is an InputError saying why). AUTO
+# picks the Gluon forward for large calls (plan.GLUON_AUTO), the Gluon dK/dV kernel where
+# plan.GLUON_BACKWARD_AUTO says.
 BACKENDS = ("AUTO", "TRITON", "TRITON_DECODE", "tl", "gluon")
 # torch's options that tune torch's own kernels only: accepted (their values checked as
 # torch types them), no effect here. FORCE_USE_FLEX_ATTENTION=True is BACKEND "TRITON".

@@ -46,6 +46,10 @@ TMA_MIN_SCORES = 2 ** 27
 # (benchmarks/NOTES.md, "Gluon forward").
 GLUON_AUTO = True
 GLUON_MIN_SCORES = 2 ** 30
+# AUTO and the Gluon dK/dV kernel (sm_90; the dQ kernel stays tl): off until measured faster
+# than the tl dK/dV kernel (benchmarks/NOTES.md, "Gluon backward").
+GLUON_BACKWARD_AUTO = False
+GLUON_BACKWARD_MIN_SCORES = 2 ** 30
 LARGE_SPARSE_BLOCK = 1 << 30     # torch's "no block mask" marker (_create_empty_block_mask)
 _MEMO_MAX = 512
 
@@ -525,12 +529,53 @@ def plan_backward(plan: AttentionPlan, query, key, value, grad_slots: tuple):
                           sparse_q, sparse_kv)
                     for kernel, part in (("backward.dq", "dq"), ("backward.dkdv", "dkdv")))
         use_tma = plan.use_tma
-        hit = plan.backward[(grad_slots, deterministic)] = backward_specs(
+        bw = backward_specs(
             plan.score_traced, plan.mask, grad_slots, qk_head=plan.D, v_head=plan.Dv,
             dtype=DTYPES[plan.dtype], has_block_mask=info is not None,
             dot_precision=dot_precision(query), use_tma=use_tma, dq_tiles=dq, dkdv_tiles=dkdv,
             tune_blocks=None if opts.sets_tiles else (sparse_q, sparse_kv), deterministic=deterministic)
+        gluon = None
+        if opts.BACKEND == "gluon" or (opts.BACKEND == "AUTO" and GLUON_BACKWARD_AUTO
+                                       and not opts.sets_tiles
+                                       and plan.B * plan.Hq * plan.Lq * plan.Lkv >= GLUON_BACKWARD_MIN_SCORES):
+            gluon, why = gluon_dkdv_spec(plan, query, key, value, bw.dkdv)
+            if why is not None and opts.BACKEND == "gluon":
+                raise expected("kernel_options['BACKEND']", "'gluon' only where the Gluon kernels run",
+                               f"a backward the Gluon dK/dV kernel cannot run: {why}",
+                               "use BACKEND 'AUTO' or 'tl' (the Triton-language kernels)")
+        hit = plan.backward[(grad_slots, deterministic)] = dataclasses.replace(bw, gluon_dkdv=gluon)
     return hit
+
+
+def gluon_dkdv_spec(plan: AttentionPlan, query, key, value, dkdv):
+    """(the Gluon dK/dV spec, None) or (None, why it cannot run this call), from the tl
+    dK/dV spec ``dkdv`` (the same mods, derivatives and head dims).
+
+    Its tiles: BLOCK_N keys per program, 64 per consumer warpgroup (BLOCK_N1 / BLOCK_N, else
+    128 where the kv block allows, else 64); BLOCK_M queries per step (BLOCK_M1 / BLOCK_M,
+    else 64). The dK/dV kernel scatters no captured tensor's gradient (the dQ kernel does),
+    so a score_mod with learned tensors takes it too."""
+    opts, info = plan.options, plan.mask_info
+    why = gluon_unavailable(query, plan.D, plan.Dv)
+    if why is None and not _tma_shapes_ok(query, key, value):
+        why = "query / key / value layouts TMA cannot step through (make them contiguous)"
+    sparse_q, sparse_kv = info.block_size if info is not None else (128, 128)
+    chosen = opts.tiles("dkdv")
+    block_m = chosen.get("BLOCK_M", 64)
+    block_n = chosen.get("BLOCK_N", 128 if sparse_kv % 128 == 0 else 64)
+    if why is None and (block_m not in (64, 128) or sparse_q % block_m):
+        why = (f"BLOCK_M1 {block_m} with Q_BLOCK {sparse_q} (the Gluon dK/dV kernel takes 64 or 128 "
+               "query rows dividing it)")
+    if why is None and (block_n not in (64, 128) or sparse_kv % block_n):
+        why = (f"BLOCK_N1 {block_n} with KV_BLOCK {sparse_kv} (the Gluon dK/dV kernel takes 64 or 128 "
+               "keys dividing it, 64 per warpgroup)")
+    if why is not None:
+        return None, why
+    # Q / dO ring depth: what fits beside K and V in shared memory (D=128: K, V 64 KB, a
+    # slot 32 KB at BLOCK_M 64 and 64 KB at 128).
+    stages = opts.num_stages or (2 if plan.D == 128 and block_m == 128 else 3)
+    return dataclasses.replace(dkdv, template="backward_gluon", block_m=block_m, block_n=block_n,
+                               num_warps=4, num_stages=stages, use_tma=True), None
 
 
 # ---------------------------------------------------------------------------------- varlen attention
@@ -655,7 +700,7 @@ def plan_varlen_backward(plan: VarlenPlan, query, key, value, grad_slots: tuple)
         mask = plan.base.mask
         hit = plan.backward[memo] = dataclasses.replace(
             bw, dq=varlen_spec(bw.dq, mask), dkdv=varlen_spec(bw.dkdv, mask), pointer=None,
-            tune_blocks=None)
+            tune_blocks=None, gluon_dkdv=None)
     return hit
 
 
@@ -732,7 +777,8 @@ def plan_sigmoid_backward(query, key, value, score_mod: str, score_buffers, mask
         bw = plan_backward(base, query, key, value, grad_slots)
         hit = plan.backward[memo] = dataclasses.replace(
             bw, dq=sigmoid_spec(bw.dq), dkdv=sigmoid_spec(bw.dkdv),
-            pointer=None if bw.pointer is None else tuple(map(sigmoid_spec, bw.pointer)))
+            pointer=None if bw.pointer is None else tuple(map(sigmoid_spec, bw.pointer)),
+            gluon_dkdv=None)        # the Gluon kernels are softmax only
     return hit
 
 

@@ -1,0 +1,265 @@
+"""The Gluon dK/dV backward kernel (sm_90; the dQ kernel stays the Triton-language one).
+
+``templates/backward_gluon.py.jinja`` renders from the tl dK/dV spec's fields (the same
+printed mods and derivatives): a program owns BLOCK_N keys, 64 per consumer warpgroup, with
+K and V in shared memory; a TMA producer warp streams Q and dO tiles of the query blocks
+the keys meet (the block mask's transposed lists, every head of the GQA group) through an
+mbarrier ring; the consumers compute Sᵀ = K Qᵀ and dPᵀ = V dOᵀ with async wgmma, recompute
+Pᵀ from the LSE, and accumulate dV += Pᵀ dO, dK += dSᵀ Q in registers.
+
+Gluon does not run in Triton's interpreter: on CPU this file checks the choice and its
+refusals, and that every variant compiles for sm_90 with the installed Triton (3.6 and the
+newest). The comparisons with the float64 oracle need an sm_90 GPU and are skipped elsewhere.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexgen
+from flexgen import create_block_mask, flex_attention
+from flexgen import mods as M
+from flexgen.codegen import cache
+from flexgen.errors import InputError
+from flexgen.frontend.trace import trace_cached
+from flexgen.kernels import backward as backward_module
+from flexgen.kernels.backward import grad_slots
+from flexgen.masks.block_mask import mask_inputs
+from flexgen.reference import flex_attention_reference
+from flexgen.runtime import aot
+from flexgen.runtime import plan as plan_module
+
+import conftest
+from conftest import make_qkv
+
+# The Gluon forward's tests' switches and mods (as_if_hopper: plan Gluon kernels for CPU tensors).
+from test_forward_gluon import GLUON, alibi_bias, as_if_hopper, doc_mask, needs_hopper  # noqa: E402,F401
+
+
+def backward_plan(q, k, v, score=None, bm=None, options=GLUON):
+    call = flexgen.api.plan(q, k, v, score_mod=score, block_mask=bm, enable_gqa=True,
+                            kernel_options=options)
+    buffers = () if score is None else trace_cached(score, "score_mod").buffers
+    return call, plan_module.plan_backward(call, q, k, v, grad_slots(buffers))
+
+
+# ------------------------------------------------------------------------- the choice
+
+def test_backend_gluon_plans_the_gluon_dkdv_kernel(as_if_hopper):
+    q, k, v = make_qkv(B=1, H=4, Hkv=2, L=300, D=64, dtype=torch.bfloat16)
+    _, bw = backward_plan(q, k, v)
+    assert bw.gluon_dkdv.template == "backward_gluon" and bw.gluon_dkdv.part == "dkdv"
+    assert bw.dkdv.template == "backward" and bw.dq.template == "backward"
+    assert (bw.gluon_dkdv.block_m, bw.gluon_dkdv.block_n) == (64, 128)
+    _, tl_bw = backward_plan(q, k, v, options={"BACKEND": "tl"})
+    assert tl_bw.gluon_dkdv is None
+
+
+def test_auto_keeps_the_tl_dkdv_kernel_until_measured(as_if_hopper):
+    q, k, v = make_qkv(B=1, H=64, L=4096, D=64, dtype=torch.bfloat16)
+    _, bw = backward_plan(q, k, v, options=None)
+    assert (bw.gluon_dkdv is not None) == plan_module.GLUON_BACKWARD_AUTO
+
+
+def test_kv_blocks_of_64_take_one_consumer_warpgroup(as_if_hopper):
+    q, k, v = make_qkv(L=256, D=64, dtype=torch.bfloat16)
+    bm = create_block_mask(M.causal_mask, None, None, 256, 256, device="cpu", BLOCK_SIZE=(128, 64))
+    _, bw = backward_plan(q, k, v, bm=bm)
+    assert bw.gluon_dkdv.block_n == 64
+    assert "CONSUMERS = gl.constexpr(1)" in cache.source(bw.gluon_dkdv)
+
+
+def test_tiles_it_cannot_take_are_refused(as_if_hopper):
+    q, k, v = make_qkv(L=256, D=64, dtype=torch.bfloat16)
+    with pytest.raises(InputError, match="BLOCK_M1 32"):
+        backward_plan(q, k, v, options=dict(GLUON, BLOCK_M1=32))
+
+
+def test_cpu_tensors_are_refused_with_the_reason():
+    q, k, v = make_qkv(L=200, D=64, dtype=torch.bfloat16)
+    call = flexgen.api.plan(q, k, v)
+    why = plan_module.gluon_dkdv_spec(call, q, k, v, None)[1]
+    assert "CUDA GPUs only" in why
+
+
+def test_sigmoid_and_varlen_backwards_never_take_it(as_if_hopper):
+    q, k, v = make_qkv(B=1, H=2, L=300, D=64, dtype=torch.bfloat16)
+    bw = plan_module.plan_sigmoid_backward(q, k, v, "", (), "", (), (), (), (), 0.125, False, "", ())
+    assert bw.gluon_dkdv is None and bw.dkdv.activation == "sigmoid"
+
+
+# ------------------------------------------------------------------------- sm_90 compile
+
+def learned_bias(device="cpu"):
+    """A score_mod whose captured tensor requires grad: the tl dQ kernel scatters its gradient,
+    the Gluon dK/dV kernel only reads it."""
+    bias = torch.linspace(-0.5, 0.5, 4, device=device).requires_grad_()
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+    return score_mod
+
+
+# name -> (D, dtype, H, Hkv, Lq, Lkv, score_mod, mask_mod, BLOCK_SIZE, kernel_options)
+CASES = {
+    "dense_d128_bf16": (128, torch.bfloat16, 4, 4, 256, 256, None, None, None, {}),
+    "causal_d64_fp16": (64, torch.float16, 4, 4, 300, 300, None, M.causal_mask, 128, {}),
+    "alibi_document_gqa_d128": (128, torch.bfloat16, 4, 2, 300, 333, "alibi", "doc", 128, {}),
+    "softcap_sliding_d64_kv64": (64, torch.bfloat16, 2, 1, 257, 200, M.tanh_softcap(20.0),
+                                 M.sliding_window(100), (128, 64), {}),
+    "learned_bias_causal_d64_m128": (64, torch.float16, 4, 2, 300, 300, "learned", M.causal_mask, 128,
+                                     {"BLOCK_M1": 128}),
+    "causal_d128_m128": (128, torch.bfloat16, 2, 2, 256, 256, None, M.causal_mask, 128, {"BLOCK_M1": 128}),
+}
+
+
+def case_inputs(name, device="cpu"):
+    D, dtype, H, Hkv, Lq, Lkv, score, mask, block, options = CASES[name]
+    q, k, v = make_qkv(B=2, H=H, Hkv=Hkv, L=Lq, Lkv=Lkv, D=D, dtype=dtype, device=device)
+    score = {"alibi": lambda: alibi_bias(H, device), "learned": lambda: learned_bias(device)}.get(
+        score, lambda: score)()
+    mask = doc_mask(max(Lq, Lkv), device) if mask == "doc" else mask
+    bm = None if mask is None else create_block_mask(mask, None, None, Lq, Lkv, device=device,
+                                                     BLOCK_SIZE=block)
+    return q, k, v, score, bm, dict(GLUON, **options)
+
+
+@pytest.mark.skipif(not conftest.AOT_ENABLED, reason="FLEXGEN_TEST_AOT=0")
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gluon_dkdv_compiles_for_sm90(as_if_hopper, name):
+    """Each variant compiles to a cubin for sm_90 with the installed Triton, with the argument
+    types of a real launch (Gluon TMA descriptors, the transposed lists, captured tensors)."""
+    q, k, v, score, bm, options = case_inputs(name)
+    call, bw = backward_plan(q, k, v, score, bm, options)
+    spec = bw.gluon_dkdv
+    assert spec.template == "backward_gluon"
+    module = cache.load(spec, interpret=False)
+    B, H, Lq, _ = q.shape
+    _, _, lists, block_size, _ = mask_inputs(bm)
+    sparse = None if bm is None else backward_module._lists(lists[4:], B, H, block_size)
+    lse = torch.empty(B, H, Lq)
+    score_buffers = () if score is None else trace_cached(score, "score_mod").buffers
+    mask_buffers = () if bm is None else trace_cached(bm.mask_mod, "mask_mod").buffers
+    grid, args, constexprs = module.arguments(
+        q=q, k=k, v=v, out=None, dout=torch.empty_like(q), lse=lse, dlse=None, delta=lse, dq=None,
+        dk=torch.empty_like(k), dv=torch.empty_like(v), sparse=sparse, score_buffers=score_buffers,
+        mask_buffers=mask_buffers, grad_buffers=(), scale=0.125)
+    assert grid == (-(-k.shape[2] // spec.block_n), B * k.shape[1])
+    compiled = aot.compile_launch(spec, args, constexprs)
+    assert compiled.asm.get("cubin")
+    # Hopper's asynchronous matrix instructions and TMA copies, not a fallback.
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+
+
+# ------------------------------------------------------------------------- on the GPU
+
+def _check(name, got, want, tol):
+    """test_backward's measure: max error relative to the largest reference gradient (or 1)."""
+    assert got is not None and not got.isnan().any(), f"{name}: missing or NaN"
+    want = want.double()
+    err = (got.double() - want).abs().max().item()
+    ref = want.abs().max().item()
+    assert err <= tol * max(ref, 1.0), f"{name}: max error {err:.3g}, largest gradient {ref:.3g}"
+
+
+def check_gradients(q, k, v, score=None, bm=None, options=GLUON, learned=(), tol=3e-2):
+    """One training step through flex_attention (Gluon dK/dV, tl dQ) against autograd through
+    the float64 oracle from float32 copies of the same inputs; the Gluon kernel must have run."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)] + list(learned)
+    with aot.recording() as launches:
+        out = flex_attention(*leaves[:3], score_mod=score, block_mask=bm, enable_gqa=True,
+                             kernel_options=options)
+        dout = torch.randn_like(out)
+        got = torch.autograd.grad(out, leaves, dout)
+    assert [s.template for s, _, _ in launches].count("backward_gluon") == 1
+    ref_leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref = flex_attention_reference(*ref_leaves, score_mod=score, mask_mod=bm, enable_gqa=True,
+                                   dtype=torch.float64)
+    want = torch.autograd.grad(ref, ref_leaves + list(learned), dout.double())
+    for name, g, w in zip(["dq", "dk", "dv"] + [f"buffer{i}" for i in range(len(learned))], got, want):
+        _check(name, g, w, tol)
+    return got
+
+
+@needs_hopper
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gluon_cases_match_the_oracle(name):
+    q, k, v, score, bm, options = case_inputs(name, device="cuda")
+    check_gradients(q, k, v, score, bm, options)
+
+
+@needs_hopper
+@pytest.mark.parametrize("mods", ["none", "causal", "softcap", "alibi"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gluon_grid_matches_the_oracle(mods, D, dtype):
+    """The backward grid: GQA, odd lengths (ragged tails at both ends), each mod family."""
+    B, H, Hkv, L = (1, 4, 2, 1000) if dtype == torch.bfloat16 else (2, 2, 1, 517)
+    q, k, v = make_qkv(B=B, H=H, Hkv=Hkv, L=L, D=D, dtype=dtype, device="cuda")
+    score = {"softcap": M.tanh_softcap(20.0), "alibi": alibi_bias(H, "cuda")}.get(mods)
+    bm = create_block_mask(M.causal_mask, None, None, L, L, device="cuda") \
+        if mods in ("causal", "alibi") else None
+    check_gradients(q, k, v, score, bm)
+
+
+@needs_hopper
+@pytest.mark.parametrize("D", [64, 128])
+def test_gluon_long_odd_length(D):
+    q, k, v = make_qkv(B=1, H=2, Hkv=1, L=4097, D=D, dtype=torch.bfloat16, device="cuda")
+    bm = create_block_mask(M.causal_mask, None, None, 4097, 4097, device="cuda")
+    check_gradients(q, k, v, bm=bm)
+
+
+@needs_hopper
+@pytest.mark.parametrize("D", [64, 128])
+def test_gluon_dead_rows_get_zero_gradients(D):
+    """Rows no key is allowed for (LSE -inf) add nothing to dK / dV, and nothing is NaN."""
+    q, k, v = make_qkv(B=1, H=2, L=400, D=D, dtype=torch.bfloat16, device="cuda")
+
+    def late(b, h, q_idx, kv_idx):
+        return (q_idx >= 150) & (kv_idx <= q_idx)
+    bm = create_block_mask(late, None, None, 400, 400, device="cuda")
+    dq, dk, dv = check_gradients(q, k, v, bm=bm)
+    assert (dq[:, :, :150] == 0).all()
+
+
+@needs_hopper
+def test_gluon_learned_bias_gradient_comes_from_the_tl_dq_kernel():
+    """A captured tensor that requires grad: the tl dQ kernel scatters its gradient, the Gluon
+    dK/dV kernel reads the tensor only."""
+    q, k, v = make_qkv(B=1, H=4, Hkv=2, L=700, D=64, dtype=torch.bfloat16, device="cuda")
+    # A bias per key (a per-head one shifts whole rows: its exact gradient is 0, and the
+    # check would compare rounding noise with 0).
+    bias = (0.5 * torch.randn(700, device="cuda")).requires_grad_()
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[kv_idx]
+    bm = create_block_mask(M.causal_mask, None, None, 700, 700, device="cuda")
+    check_gradients(q, k, v, score_mod, bm, learned=[bias])
+
+
+@needs_hopper
+def test_gluon_matches_the_tl_backward():
+    torch.manual_seed(0)
+    q, k, v = make_qkv(B=1, H=4, Hkv=2, L=1000, D=128, dtype=torch.bfloat16, device="cuda")
+    bm = create_block_mask(M.causal_mask, None, None, 1000, 1000, device="cuda")
+    dout = torch.randn(1, 4, 1000, 128, dtype=torch.bfloat16, device="cuda")
+    grads = {}
+    for backend in ("gluon", "tl"):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = flex_attention(*leaves, block_mask=bm, enable_gqa=True, kernel_options={"BACKEND": backend})
+        grads[backend] = torch.autograd.grad(out, leaves, dout)
+    for g, t in zip(grads["gluon"], grads["tl"]):
+        torch.testing.assert_close(g.float(), t.float(), atol=3e-2, rtol=3e-2)
+
+
+@needs_hopper
+def test_an_expanded_upstream_gradient_takes_the_tl_kernel():
+    """A grad_out TMA cannot address (out.sum()'s expanded one) runs the tl dK/dV kernel."""
+    q, k, v = (t.requires_grad_() for t in make_qkv(B=1, H=2, L=300, D=64, dtype=torch.bfloat16,
+                                                     device="cuda"))
+    with aot.recording() as launches:
+        flex_attention(q, k, v, kernel_options=GLUON).sum().backward()
+    templates = [s.template for s, _, _ in launches]
+    assert "backward_gluon" not in templates and templates.count("backward") == 2
