@@ -150,6 +150,20 @@ def test_block_lists_match_dense_mask(name, Q_LEN, KV_LEN, BLOCK_SIZE):
     check_mask(mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE)
 
 
+@pytest.mark.parametrize("name", list(MASKS))
+def test_sync_free_classification_matches(name, monkeypatch):
+    """The GPU's path (the dense block-mask kernel classifying every undecided block in
+    place, no nonzero() and so no host sync) gives the lists of the CPU's path."""
+    from flexgen.masks import builder
+    mask_mod, B, H = MASKS[name]
+    want = create_block_mask(mask_mod, B, H, 200, 131, device="cpu", BLOCK_SIZE=(64, 16))
+    monkeypatch.setattr(builder, "SYNC_FREE_DEVICES", ("cuda", "cpu"))
+    got = create_block_mask(mask_mod, B, H, 200, 131, device="cpu", BLOCK_SIZE=(64, 16))
+    for a, b in zip(want.as_tuple(), got.as_tuple()):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), name
+
+
 def test_default_block_size_and_single_block():
     mask = check_mask(M.causal_mask, 1, 1, 67, 67, 128)
     assert mask.BLOCK_SIZE == (128, 128)

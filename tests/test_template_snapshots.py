@@ -117,10 +117,11 @@ def decode_merge(Dv):
     return render
 
 
-def block_mask(mask_mod):
-    """The block-mask builder kernel of a mask_mod (the one create_block_mask launches)."""
+def block_mask(mask_mod, dense=False):
+    """The block-mask builder kernel of a mask_mod (the one create_block_mask launches: over a
+    list of undecided blocks on the CPU, over every block in place on a GPU)."""
     def render():
-        return source(block_mask_spec(lower(trace_cached(mask_mod, "mask_mod"))))
+        return source(block_mask_spec(lower(trace_cached(mask_mod, "mask_mod")), dense=dense))
     return render
 
 
@@ -172,6 +173,7 @@ CASES = {
     # block-mask builder
     "block_mask_document": ("block_mask", "mask_buf", block_mask(M.document_mask(DOC))),
     "block_mask_sliding_window": ("block_mask", "HITS", block_mask(M.sliding_window(32))),
+    "block_mask_dense_document": ("block_mask", "TOTAL", block_mask(M.document_mask(DOC), dense=True)),
     # paged KV cache writes
     "paged_write": ("paged_write", "K_CACHE", paged_write(64, 64)),
     "paged_write_padded": ("paged_write", "< 48", paged_write(**PAD)),

@@ -29,7 +29,7 @@ from .snippet import Snippet
 # forward_gluon 2: its varlen form; 3: the Gluon helpers moved into common.py.jinja
 # macros shared with backward_gluon.)
 SIGMOID_REVISION = 3
-TEMPLATE_VERSIONS = {"forward": 6, "forward_gluon": 3, "backward_gluon": 2, "block_mask": 2,
+TEMPLATE_VERSIONS = {"forward": 6, "forward_gluon": 3, "backward_gluon": 2, "block_mask": 3,
                      "decode": 3, "decode_merge": 1, "paged_write": 2,
                      "backward": 8, "linear": 3, "linear_decode": 1}
 
@@ -95,6 +95,13 @@ class KernelSpec:
                    qk_pad=pad_head_dim(self.qk_head) if self.qk_head else 0,
                    v_pad=pad_head_dim(self.v_head) if self.v_head else 0)
         return ctx
+
+
+@dataclass(frozen=True)
+class BlockMaskSpec(KernelSpec):
+    """The block-mask builder's ``KernelSpec``: ``dense`` classifies every block of the grid in
+    place (no list of the undecided ones, so no host read of its length)."""
+    dense: bool = False
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,13 @@ _ALIGN = 4
 # device -> int8 [2, 1, 1, 1, 1] of (PARTIAL, FULL), for hits_of_states
 _STATE_VALUES: dict = {}
 
+# Devices whose undecided blocks are classified in place by the dense block-mask kernel (one
+# program per block, the decided ones return at once) rather than gathered with nonzero():
+# nonzero's length is read on the host, a sync on a GPU that stalls a training step's
+# launches behind the previous step's kernels (Hugging Face builds a mask per forward). The
+# CPU keeps the list and its torch-op path, which compiles no kernel.
+SYNC_FREE_DEVICES = ("cuda",)
+
 
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
@@ -129,6 +136,12 @@ def block_hits(lowered, traced, B, H, Q_LEN, KV_LEN, q_block, kv_block, device) 
     # Undecided: neither full nor empty, i.e. full == empty (never both true;
     # were they, the block would count as undecided and be looked at).
     torch.eq(empty.expand(shape), full, out=undecided)
+    if torch.device(device).type in SYNC_FREE_DEVICES:
+        from ..runtime import launch
+        launch.run(block_mask_spec(lowered, dense=True), device,
+                   dict(hits=hit, mask_buffers=traced.buffers, q_len=Q_LEN, kv_len=KV_LEN,
+                        q_block=q_block, kv_block=kv_block))
+        return hit
     blocks = undecided.nonzero()                        # [N, 4]: b, h, q block, kv block
     if blocks.shape[0]:
         hit[(slice(None), *blocks.unbind(1))] = _classify_undecided(
@@ -136,10 +149,12 @@ def block_hits(lowered, traced, B, H, Q_LEN, KV_LEN, q_block, kv_block, device) 
     return hit
 
 
-def block_mask_spec(lowered):
-    """The block-mask builder kernel's ``KernelSpec`` for a lowered mask_mod (its snippet and buffers)."""
-    from ..codegen.spec import KernelSpec
-    return KernelSpec("block_mask", mask=lowered.snippet, mask_buffers=lowered.buffers, num_warps=4)
+def block_mask_spec(lowered, dense: bool = False):
+    """The block-mask builder kernel's spec for a lowered mask_mod (its snippet and buffers):
+    over a list of undecided blocks, or (``dense``) over every block of the grid in place."""
+    from ..codegen.spec import BlockMaskSpec
+    return BlockMaskSpec("block_mask", mask=lowered.snippet, mask_buffers=lowered.buffers,
+                         num_warps=4, dense=dense)
 
 
 def _classify_undecided(lowered, traced, blocks, Q_LEN, KV_LEN, q_block, kv_block, B=None, H=None):
