@@ -76,7 +76,8 @@ def bench_hf(rows, args, device, dtype):
     fx.register()
     L = 64 if args.smoke else 8192
     iters = 1 if args.smoke else 5
-    for family in ("llama", "gemma2"):
+    start = time.monotonic()
+    for family in args.families.split(","):
         config = hf_config(family, L, args.smoke)
         ids = torch.randint(0, config.vocab_size, (1, L), device=device)
         base = None
@@ -85,6 +86,11 @@ def bench_hf(rows, args, device, dtype):
         for impl, compiled in ((peer, False), ("flex_attention", False), ("flexgen", False),
                                ("flexgen", True)):
             name = f"{family} {impl}{' compiled' if compiled else ''}"
+            if compiled and not args.compiled:
+                continue
+            if time.monotonic() - start > args.budget:
+                rows.append(dict(section="hf", case=name, what="skipped (budget)", value=float("nan")))
+                continue
             try:
                 torch.manual_seed(0)
                 model = transformers.AutoModelForCausalLM.from_config(
@@ -112,6 +118,8 @@ def bench_hf(rows, args, device, dtype):
                 model.zero_grad(set_to_none=True)
                 rows.append(dict(section="hf", case=name, what="train step ms",
                                  value=cuda_ms(train, iters) if device.type == "cuda" else 0.0))
+                print(f"  {name}: prefill {rows[-2]['value']:.2f} ms, train step {rows[-1]['value']:.2f} ms",
+                      flush=True)
                 del model, run
             except Exception as e:       # noqa: BLE001 - a failing row is reported, the rest runs
                 rows.append(dict(section="hf", case=name, what="error", value=float("nan"),
@@ -278,6 +286,9 @@ def main():
     parser.add_argument("--budget", type=float, default=600)
     parser.add_argument("--only", default="hf,small,decode")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--families", default="llama,gemma2", help="hf: model families")
+    parser.add_argument("--no-compiled", dest="compiled", action="store_false",
+                        help="hf: skip the torch.compile'd flexgen rows")
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
