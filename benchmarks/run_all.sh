@@ -12,8 +12,9 @@
 #   check     benchmarks/gpu_check.py       correctness at B=2 H=8 L=2048 D=128 against the float32 reference
 #   tune      benchmarks/tune.py            measures rows of flexgen.runtime.tuning.TUNED (prints them)
 #   gputests  pytest on the GPU: tests/test_tuning.py, tests/test_backward.py, tests/test_compile.py
-#   sanitize  benchmarks/sanitize.py under compute-sanitizer: memcheck over every kernel family
-#             (and the fuzzer's stored examples), racecheck on one forward and one backward kernel
+#   sanitize  benchmarks/sanitize.py under compute-sanitizer: memcheck over every kernel family,
+#             racecheck on one forward and one backward kernel, then tests/test_fuzz.py on the GPU
+#             under memcheck (its stored examples, then SANITIZE_FUZZ_EXAMPLES=6 seeded ones per test)
 #   forward   benchmarks/bench_forward.py   forward speed vs torch.compile(flex_attention) and SDPA
 #   backward  benchmarks/bench_backward.py  backward and forward+backward speed vs the same peers
 #   decode    benchmarks/bench_decode.py    decode (q_len=1), contiguous and paged, vs copy bandwidth
@@ -87,9 +88,15 @@ run_step() {
                        '$ROOT/tests/test_tuning.py' '$ROOT/tests/test_backward.py' '$ROOT/tests/test_compile.py' \
                        '$ROOT/tests/test_forward_gluon.py' \
                        -k '${GPUTESTS_K:-gpu or tuning or gluon}' --tb=short") ;;
+        # The fuzzer's examples (tests/fuzz_db first) on the GPU under memcheck too, from /tmp
+        # as gputests; SANITIZE_FUZZ_EXAMPLES per test.
         sanitize) cmd=(bash -c "compute-sanitizer --tool memcheck --error-exitcode 9 '$PY' benchmarks/sanitize.py; \
                        echo memcheck exit \$?; compute-sanitizer --tool racecheck --error-exitcode 9 \
-                       '$PY' benchmarks/sanitize.py --only race; echo racecheck exit \$?") ;;
+                       '$PY' benchmarks/sanitize.py --only race; echo racecheck exit \$?; \
+                       cd /tmp && FLEXGEN_FUZZ_DEVICE=cuda FLEXGEN_TEST_AOT=0 \
+                       FLEXGEN_FUZZ_EXAMPLES=${SANITIZE_FUZZ_EXAMPLES:-6} compute-sanitizer --tool memcheck \
+                       --error-exitcode 9 '$PY' -m pytest -q -p no:cacheprovider '$ROOT/tests/test_fuzz.py'; \
+                       echo fuzz memcheck exit \$?") ;;
         models)   cmd=("$PY" benchmarks/bench_models.py $SMOKE_ARG --budget "$budget" ${BENCH_MODELS_ARGS:-}) ;;
         nosoftmax) cmd=("$PY" benchmarks/bench_nosoftmax.py $SMOKE_ARG ${BENCH_NOSOFTMAX_ARGS:-}) ;;
         gluon)    cmd=("$PY" benchmarks/bench_gluon.py $SMOKE_ARG --budget "$((budget - 60))" \

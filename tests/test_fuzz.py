@@ -41,7 +41,9 @@ For a longer run::
         --hypothesis-show-statistics
 
 which also writes new failures into ``tests/fuzz_db/`` (commit them with the fix).
-``FLEXGEN_FUZZ_SEED`` picks another fixed seed (default 0).
+``FLEXGEN_FUZZ_SEED`` picks another fixed seed (default 0). ``FLEXGEN_FUZZ_DEVICE=cuda`` runs
+the same examples on a GPU (the stored ones first; the database stays read-only there), e.g.
+under ``compute-sanitizer`` (``benchmarks/run_all.sh``, step sanitize).
 """
 from __future__ import annotations
 
@@ -69,13 +71,15 @@ from conftest import AOT_ENABLED, check, compile_error
 CI_EXAMPLES = {"forward": 20, "backward": 9}
 LONG_EXAMPLES = int(os.environ.get("FLEXGEN_FUZZ_EXAMPLES", "0"))
 FUZZ_SEED = int(os.environ.get("FLEXGEN_FUZZ_SEED", "0"))
+DEVICE = torch.device(os.environ.get("FLEXGEN_FUZZ_DEVICE", "cpu"))
 _DB = DirectoryBasedExampleDatabase(str(Path(__file__).parent / "fuzz_db"))
 
 
 def _settings(test: str):
-    """Fixed seed, the stored failures first; a long run (FLEXGEN_FUZZ_EXAMPLES) saves new ones."""
+    """Fixed seed, the stored failures first; a long run (FLEXGEN_FUZZ_EXAMPLES) on the CPU saves new ones."""
+    writable = LONG_EXAMPLES and DEVICE.type == "cpu"
     return settings(max_examples=LONG_EXAMPLES or CI_EXAMPLES[test], deadline=None,
-                    database=_DB if LONG_EXAMPLES else ReadOnlyDatabase(_DB),
+                    database=_DB if writable else ReadOnlyDatabase(_DB),
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.large_base_example])
 
@@ -565,14 +569,15 @@ def examples(draw, grad: bool):
 
 
 def _inputs(ex: Example):
-    """q, k (multiples of 1/4 in [-1, 1]: exact scores), v, and the captured tensors by name."""
+    """q, k (multiples of 1/4 in [-1, 1]: exact scores), v, and the captured tensors by name, on
+    ``DEVICE`` (drawn on the CPU: the same values on every device)."""
     g = torch.Generator().manual_seed(ex.seed)
 
     def grid(*shape):
         return (torch.randint(-4, 5, shape, generator=g) / 4).to(ex.dtype)
 
-    q, k = grid(ex.B, ex.Hq, ex.Lq, ex.D), grid(ex.B, ex.Hkv, ex.Lkv, ex.D)
-    v = torch.randn(ex.B, ex.Hkv, ex.Lkv, ex.Dv, generator=g).to(ex.dtype)
+    q, k = grid(ex.B, ex.Hq, ex.Lq, ex.D).to(DEVICE), grid(ex.B, ex.Hkv, ex.Lkv, ex.D).to(DEVICE)
+    v = torch.randn(ex.B, ex.Hkv, ex.Lkv, ex.Dv, generator=g).to(DEVICE, ex.dtype)
     buffers = {}
     for buf, learn in zip(ex.buffers, ex.learn):
         if buf.kind == "int":
@@ -581,13 +586,14 @@ def _inputs(ex: Example):
             t = torch.rand(buf.shape, generator=g) < 0.5
         else:
             t = torch.randn(buf.shape, generator=g).to(buf.dtype)
+        t = t.to(DEVICE)
         buffers[buf.name] = t.requires_grad_() if learn else t
     return q, k, v, buffers
 
 
 def _compile_for_hopper(launches) -> None:
     """Each launch compiles for sm_90 (memoized across the session with the conftest's)."""
-    if not AOT_ENABLED:
+    if not AOT_ENABLED or DEVICE.type != "cpu":
         return
     for spec, args, constexprs in launches:
         error = compile_error(spec, args, constexprs)
@@ -606,7 +612,7 @@ def _events(ex: Example, kernel_path: str) -> None:
 def _block_mask(ex: Example, mask_mod):
     if mask_mod is None:
         return None
-    return create_block_mask(mask_mod, ex.B, ex.Hq, ex.Lq, ex.Lkv, device="cpu", BLOCK_SIZE=ex.block_size)
+    return create_block_mask(mask_mod, ex.B, ex.Hq, ex.Lq, ex.Lkv, device=DEVICE, BLOCK_SIZE=ex.block_size)
 
 
 OPTIONS = {"BLOCK_M": 32, "BLOCK_N": 32}
@@ -670,8 +676,8 @@ def test_fuzz_backward(ex):
             event("GradientError (a step function on the gradient's path)")
             return
         g = torch.Generator().manual_seed(ex.seed + 1)
-        d_out = torch.randn(out.shape, generator=g)
-        d_lse = torch.randn(lse.shape, generator=g) if ex.with_lse else None
+        d_out = torch.randn(out.shape, generator=g).to(DEVICE)
+        d_lse = torch.randn(lse.shape, generator=g).to(DEVICE) if ex.with_lse else None
         loss = (out.float() * d_out).sum()
         if d_lse is not None:
             loss = loss + (torch.where(lse.isinf(), 0.0, lse) * d_lse).sum()
