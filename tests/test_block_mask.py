@@ -18,7 +18,7 @@ import torch
 import torch.utils._python_dispatch
 
 import flexgen
-from flexgen import BlockMask, and_masks, create_block_mask, create_mask, or_masks
+from flexgen import BlockMask, and_masks, create_block_mask, create_mask, flex_attention, or_masks
 from flexgen import mods as M
 from flexgen.reference import dense_mask
 
@@ -405,3 +405,25 @@ def test_large_document_mask_memory(tmp_path):
     assert float(values["growth_mib"]) < 200, line
     assert float(values["peak_over_current_mib"]) < 200, line
     assert float(values["seconds"]) < 120, line
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_mask_build_and_attention_do_not_sync():
+    """A mask built on the GPU, then attention forward and backward, read nothing back to the
+    host (a sync per mask stalled Hugging Face training steps); the lists are the CPU's."""
+    q, k, v = (torch.randn(1, 2, 1000, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    for _ in range(2):      # compile first: the check is about the warm path
+        mask = create_block_mask(M.sliding_window(100), None, None, 1000, 1000, device="cuda")
+        flex_attention(q, k, v, block_mask=mask).sum().backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        mask = create_block_mask(M.sliding_window(100), None, None, 1000, 1000, device="cuda")
+        flex_attention(q, k, v, block_mask=mask).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    want = create_block_mask(M.sliding_window(100), None, None, 1000, 1000, device="cpu")
+    for a, b in zip(mask.as_tuple(), want.as_tuple()):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a.cpu(), b)
