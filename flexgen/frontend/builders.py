@@ -1,0 +1,334 @@
+"""Building the program's lines: each operation on traced values (arithmetic, comparisons,
+torch.where, casts, constants) appends one line with the kind torch's promotion gives it;
+``_METHODS`` maps the tensor methods a mod may call to them."""
+from __future__ import annotations
+
+import torch
+
+from .program import COMPARISONS, KIND_OF_DTYPE, UNARY, _RANK
+
+
+def _elementwise(fn):
+    """Lets a builder of one traced value take rows: then it builds one value per element."""
+    def wrapped(*args, **kwargs):
+        if any(isinstance(v, (Row, View)) for v in (*args, *kwargs.values())):
+            return _map_rows(fn, args, kwargs)
+        return fn(*args, **kwargs)
+    wrapped.__name__, wrapped.__doc__ = fn.__name__, fn.__doc__
+    return wrapped
+
+
+# ---------------------------------------------------------------------------- building lines
+
+def _tracer_of(*values) -> _Tracer | None:
+    for v in values:
+        if isinstance(v, (Proxy, View, Row)):
+            return v._tracer
+    return None
+
+
+def _proxy(tracer: _Tracer, line: str, kind: str) -> Proxy:
+    return Proxy(tracer, tracer.node(line), kind)
+
+
+def _const(tracer: _Tracer, value) -> Proxy:
+    if isinstance(value, bool):
+        return _proxy(tracer, f"const b {int(value)}", "b")
+    if isinstance(value, int):
+        return _proxy(tracer, f"const i {value}", "i")
+    return _proxy(tracer, f"const f {float(value)!r}", "f")
+
+
+def _operand(tracer: _Tracer, value) -> Proxy:
+    """A proxy for a proxy, a captured 0-d tensor, or a Python number."""
+    if isinstance(value, Proxy):
+        return value
+    if isinstance(value, View):
+        value._not_a_value()
+    if isinstance(value, Row):
+        raise _row_used_as_value(value)
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0:
+            raise tracer.fail(f"a captured tensor of shape {list(value.shape)} was used as a value",
+                              "index it with traced positions (e.g. bias[h, q_idx]) "
+                              "or capture a 0-d tensor or a Python number")
+        return _index(tracer, value, ())
+    if isinstance(value, (bool, int, float)):
+        return _const(tracer, value)
+    raise tracer.fail(f"a value of type {type(value).__name__} ({value!r}) was combined "
+                      "with a traced value", "use Python numbers, tensors, or traced values")
+
+
+def _kind(value) -> str:
+    """The kind torch's promotion gives ``value``: proxies, tensors and Python numbers."""
+    if isinstance(value, Proxy):
+        return value._kind
+    if isinstance(value, torch.Tensor):
+        return KIND_OF_DTYPE.get(value.dtype, "f")
+    if isinstance(value, bool):
+        return "b"
+    if isinstance(value, int):
+        return "i"
+    return "f"
+
+
+def _promote(a, b) -> str:
+    ka, kb = _kind(a), _kind(b)
+    return ka if _RANK[ka] >= _RANK[kb] else kb
+
+
+def _line(op: str, kind: str, *operands: Proxy) -> str:
+    return f"{op} {kind} " + " ".join(f"%{p._node}" for p in operands)
+
+
+@_elementwise
+def _binary(op: str, a, b) -> Proxy:
+    tracer = _tracer_of(a, b)
+    pa, pb = _operand(tracer, a), _operand(tracer, b)
+    if op in COMPARISONS:
+        return _proxy(tracer, _line(op, "b", pa, pb), "b")
+    kind = _promote(a, b)
+    if op in ("and", "or", "xor", "shl", "shr"):
+        if kind == "f":
+            raise tracer.fail(f"'{op}' of float values",
+                              "compare first, then combine the bools with & | ^"
+                              if op in ("and", "or", "xor") else "shift integers only")
+        if op in ("shl", "shr") and kind == "b":
+            kind = "i"
+    elif op == "truediv":
+        kind = "f"
+    elif op == "pow" and kind == "i" and _negative_const(b):
+        kind = "f"
+    elif kind == "b":
+        # torch keeps bool + bool and bool * bool as bool: logical or / and.
+        if op in ("add", "mul"):
+            return _proxy(tracer, _line("or" if op == "add" else "and", "b", pa, pb), "b")
+        if op == "sub":
+            raise tracer.fail("subtraction of two bools (torch refuses it too)",
+                              "use ^ (logical xor) or & ~ (and not)")
+        if op not in ("minimum", "maximum"):
+            kind = "i"
+    return _proxy(tracer, _line(op, kind, pa, pb), kind)
+
+
+def _negative_const(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0
+
+
+@_elementwise
+def _unary(op: str, x) -> Proxy:
+    tracer = _tracer_of(x)
+    p = _operand(tracer, x)
+    if op == "neg":
+        if p._kind == "b":
+            raise tracer.fail("negation of a bool (torch refuses it too)", "use ~ for logical not")
+        return _proxy(tracer, _line("neg", p._kind, p), p._kind)
+    if op == "not":
+        return _proxy(tracer, _line("not", "b", _as_bool(p)), "b")
+    if op in ("abs", "sign", "floor", "ceil", "relu"):
+        kind = "i" if p._kind == "b" else p._kind
+        if op in ("floor", "ceil") and kind == "i":
+            return p if p._kind == "i" else _cast(p, torch.int32)
+        return _proxy(tracer, _line(op, kind, p), kind)
+    return _proxy(tracer, _line(op, "f", p), "f")
+
+
+@_elementwise
+def _invert(x) -> Proxy:
+    tracer = _tracer_of(x)
+    p = _operand(tracer, x)
+    if p._kind == "f":
+        raise tracer.fail("~ of a float value", "use ~ on bools (comparisons) or integers")
+    op = "not" if p._kind == "b" else "bitnot"
+    return _proxy(tracer, _line(op, p._kind, p), p._kind)
+
+
+def _as_bool(p: Proxy) -> Proxy:
+    if p._kind == "b":
+        return p
+    return _proxy(p._tracer, _line("ne", "b", p, _const(p._tracer, 0)), "b")
+
+
+@_elementwise
+def _where(cond, a, b) -> Proxy:
+    tracer = _tracer_of(cond, a, b)
+    c = _operand(tracer, cond)
+    if c._kind != "b":
+        raise tracer.fail("torch.where's condition is not a bool", "pass a comparison as the condition")
+    kind = _promote(a, b)
+    return _proxy(tracer, _line("where", kind, c, _operand(tracer, a), _operand(tracer, b)), kind)
+
+
+@_elementwise
+def _clamp(x, min=None, max=None) -> Proxy:
+    out = x
+    if min is not None:
+        out = _binary("maximum", out, min)
+    if max is not None:
+        out = _binary("minimum", out, max)
+    return _operand(_tracer_of(x, min, max), out)
+
+
+@_elementwise
+def _cast(x, dtype) -> Proxy:
+    tracer = _tracer_of(x)
+    p = _operand(tracer, x)
+    if isinstance(dtype, (str, torch.device)) or dtype is None:
+        return p                      # .to(device): a traced value is on the kernel's device
+    if isinstance(dtype, Proxy):
+        dtype = dtype.dtype           # .to(other): other's dtype
+    elif isinstance(dtype, torch.Tensor):
+        dtype = dtype.dtype
+    if not isinstance(dtype, torch.dtype) or dtype not in KIND_OF_DTYPE:
+        raise tracer.fail(f".to({dtype!r})", "cast with a real torch dtype, e.g. .to(torch.int32)")
+    target = KIND_OF_DTYPE[dtype]
+    if target == p._kind:
+        return p
+    if target == "b":
+        return _as_bool(p)
+    return _proxy(tracer, _line("cast", target, p), target)
+
+
+def _to(x, *args, **kwargs) -> Proxy:
+    """``.to(dtype)``, ``.to(device)``, ``.to(device, dtype)``, ``.to(other)``, ``.to(dtype=...)``."""
+    dtype = kwargs.get("dtype")
+    for a in args:
+        if isinstance(a, (torch.dtype, Proxy, torch.Tensor)):
+            dtype = a
+    return _cast(x, dtype)
+
+
+@_elementwise
+def _full(like, value, dtype=None) -> Proxy:
+    """A constant with torch's dtype for ``x.new_full((), value)`` and friends."""
+    tracer = _tracer_of(like)
+    if dtype is None:
+        dtype = like.dtype if isinstance(like, (Proxy, View)) else torch.float32
+    if isinstance(value, (Proxy, torch.Tensor)):
+        return _cast(_operand(tracer, value), dtype)
+    return _cast(_const(tracer, value), dtype)
+
+
+def _check_scalar_size(tracer, size):
+    size = (size,) if isinstance(size, int) else tuple(size or ())
+    if size not in ((), (1,)):
+        raise tracer.fail(f"a new tensor of size {tuple(size)} in a mod",
+                          "a mod computes one element: create scalars (size ())")
+
+
+def _new(value):
+    def make(x, size=(), *args, dtype=None, device=None, **kwargs):
+        _check_scalar_size(_tracer_of(x), size)
+        return _full(x, value, dtype or (x.dtype if isinstance(x, Proxy) else None))
+    return make
+
+
+def _new_full(x, size, fill_value, *args, dtype=None, device=None, **kwargs):
+    _check_scalar_size(_tracer_of(x), size)
+    return _full(x, fill_value, dtype or x.dtype)
+
+
+def _like(value):
+    def make(x, *args, dtype=None, device=None, **kwargs):
+        return _full(x, value, dtype or x.dtype)
+    return make
+
+
+def _full_like(x, fill_value, *args, dtype=None, device=None, **kwargs):
+    return _full(x, fill_value, dtype or x.dtype)
+
+
+# Tensor methods on proxies: name -> function(proxy, *args, **kwargs).
+_METHODS = {name: (lambda n: lambda x: _unary(n, x))(name) for name in UNARY
+            if name not in ("not", "bitnot", "neg")}
+_METHODS.update({
+    "neg": lambda x: _unary("neg", x), "negative": lambda x: _unary("neg", x),
+    "logical_not": lambda x: _unary("not", x), "bitwise_not": _invert,
+    "add": lambda x, o, alpha=1: _binary("add", x, o if alpha == 1 else _binary("mul", o, alpha)),
+    "sub": lambda x, o, alpha=1: _binary("sub", x, o if alpha == 1 else _binary("mul", o, alpha)),
+    "mul": lambda x, o: _binary("mul", x, o), "multiply": lambda x, o: _binary("mul", x, o),
+    "div": lambda x, o, rounding_mode=None: _div(x, o, rounding_mode),
+    "divide": lambda x, o, rounding_mode=None: _div(x, o, rounding_mode),
+    "true_divide": lambda x, o: _binary("truediv", x, o),
+    "floor_divide": lambda x, o: _binary("floordiv", x, o),
+    "remainder": lambda x, o: _binary("mod", x, o), "pow": lambda x, o: _binary("pow", x, o),
+    "minimum": lambda x, o: _binary("minimum", x, o), "maximum": lambda x, o: _binary("maximum", x, o),
+    "logical_and": lambda x, o: _logical("and", x, o), "logical_or": lambda x, o: _logical("or", x, o),
+    "logical_xor": lambda x, o: _logical("xor", x, o),
+    "bitwise_and": lambda x, o: _binary("and", x, o), "bitwise_or": lambda x, o: _binary("or", x, o),
+    "bitwise_xor": lambda x, o: _binary("xor", x, o),
+    "bitwise_left_shift": lambda x, o: _binary("shl", x, o),
+    "bitwise_right_shift": lambda x, o: _binary("shr", x, o),
+    "eq": lambda x, o: _binary("eq", x, o), "ne": lambda x, o: _binary("ne", x, o),
+    "lt": lambda x, o: _binary("lt", x, o), "le": lambda x, o: _binary("le", x, o),
+    "gt": lambda x, o: _binary("gt", x, o), "ge": lambda x, o: _binary("ge", x, o),
+    "not_equal": lambda x, o: _binary("ne", x, o), "greater": lambda x, o: _binary("gt", x, o),
+    "greater_equal": lambda x, o: _binary("ge", x, o), "less": lambda x, o: _binary("lt", x, o),
+    "less_equal": lambda x, o: _binary("le", x, o),
+    "clamp": _clamp, "clip": _clamp,
+    "where": lambda x, cond, other: _where(cond, x, other),
+    "masked_fill": lambda x, mask, value: _where(mask, value, x),
+    "to": _to, "type": lambda x, dtype=None: x.dtype if dtype is None else _cast(x, dtype),
+    "float": lambda x: _cast(x, torch.float32), "double": lambda x: _cast(x, torch.float32),
+    "half": lambda x: _cast(x, torch.float32), "bfloat16": lambda x: _cast(x, torch.float32),
+    "int": lambda x: _cast(x, torch.int32), "long": lambda x: _cast(x, torch.int32),
+    "short": lambda x: _cast(x, torch.int32), "bool": lambda x: _cast(x, torch.bool),
+    "new_ones": _new(1), "new_zeros": _new(0), "new_full": _new_full,
+    "new_empty": _new(0), "new_tensor": lambda x, value, dtype=None, **k: _full(x, value, dtype),
+    "squeeze": lambda x, *a, **k: x, "unsqueeze": lambda x, *a, **k: x,
+    "view": lambda x, *a, **k: x, "reshape": lambda x, *a, **k: x,
+    "expand": lambda x, *a, **k: x, "expand_as": lambda x, *a, **k: x,
+    "contiguous": lambda x, *a, **k: x, "clone": lambda x, *a, **k: x,
+    "detach": lambda x: x, "cpu": lambda x: x, "cuda": lambda x, *a, **k: x,
+    # A traced value is one element: reducing it keeps it (torch's rules for a 0-d tensor).
+    "sum": lambda x, *a, **k: x, "amax": lambda x, *a, **k: x, "amin": lambda x, *a, **k: x,
+    "prod": lambda x, *a, **k: x, "mean": lambda x, *a, **k: _cast(x, torch.float32),
+    "max": lambda x, *a, **k: _scalar_extreme(x, "maximum", *a, **k),
+    "min": lambda x, *a, **k: _scalar_extreme(x, "minimum", *a, **k),
+    "any": lambda x, *a, **k: _cast(x, torch.bool), "all": lambda x, *a, **k: _cast(x, torch.bool),
+})
+
+
+def _bound_method(value, name):
+    """``value.name`` for a tensor method the tracer knows (a Proxy's or a Row's), else None;
+    a private name is an AttributeError (Python and dynamo probe for them)."""
+    if name.startswith("_"):
+        raise AttributeError(name)
+    method = _METHODS.get(name)
+    return None if method is None else (lambda *args, **kwargs: method(value, *args, **kwargs))
+
+
+@_elementwise
+def _logical(op, a, b):
+    tracer = _tracer_of(a, b)
+    return _binary(op, _as_bool(_operand(tracer, a)), _as_bool(_operand(tracer, b)))
+
+
+def _scalar_extreme(x, op, other=None, keepdim=False):
+    """``x.max()``, ``x.max(other)`` (elementwise) or ``x.max(dim)`` (values, indices) of one value."""
+    if other is None:
+        return x
+    if isinstance(other, (Proxy, View, Row, torch.Tensor, float)):
+        return _binary(op, x, other)
+    return _MinMax(x, _const(x._tracer, 0))
+
+
+def _div(x, o, rounding_mode):
+    if rounding_mode is None:
+        return _binary("truediv", x, o)
+    if rounding_mode == "floor":
+        return _binary("floordiv", x, o)
+    tracer = _tracer_of(x, o)
+    raise tracer.fail(f"division with rounding_mode={rounding_mode!r}",
+                      "use rounding_mode='floor' (or //), or plain /")
+
+
+def _tensor_method(name):
+    """The torch-namespace function ``torch.<name>(x, ...)`` for a tensor method."""
+    method = _METHODS[name]
+    return lambda x, *args, **kwargs: method(x, *args, **kwargs)
+
+
+# Imported after this module's definitions: the note at the end of proxy.py says why.
+from .proxy import _MinMax, Proxy, Row, _Tracer, View  # noqa: E402
+from .rows import _index, _map_rows, _row_used_as_value  # noqa: E402
