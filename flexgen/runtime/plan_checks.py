@@ -25,16 +25,21 @@ class Mask:
     kv_blocks: int               # NKV of the kv lists
 
 
-def check_qkv(query, key, value, enable_gqa, block_batch: int | None) -> None:
-    """query [B, Hq, Lq, D], key [B or 1, Hkv, Lkv, D], value [B or 1, Hkv, Lkv, Dv]."""
+def check_same_kind(query, key, value, *layout) -> None:
+    """Three attention inputs, each a tensor (of ``layout``, check_tensor's), of one dtype on one device."""
     for name, t in (("query", query), ("key", key), ("value", value)):
-        check_tensor(name, t)
+        check_tensor(name, t, *layout)
     if not (query.dtype == key.dtype == value.dtype):
         raise expected("key/value", f"the query's dtype {query.dtype}",
                        f"key {key.dtype}, value {value.dtype}", "convert all three to one dtype")
     if not (query.device == key.device == value.device):
         raise expected("key/value", f"the query's device {query.device}",
                        f"key on {key.device}, value on {value.device}", "move all three to one device")
+
+
+def check_qkv(query, key, value, enable_gqa, block_batch: int | None) -> None:
+    """query [B, Hq, Lq, D], key [B or 1, Hkv, Lkv, D], value [B or 1, Hkv, Lkv, Dv]."""
+    check_same_kind(query, key, value)
     B, Hq, _, D = query.shape
     if key.shape[0] != value.shape[0] or key.shape[0] not in (1, B):
         raise expected("key/value batch", f"batch {B} like query (or 1, shared by every query row)",

@@ -9,9 +9,9 @@ from ..codegen.spec import dot_precision
 from ..errors import expected
 from ..frontend.lowering import lower
 from ..frontend.trace import TracedMod
-from .checks import DTYPES, check_heads, check_tensor
+from .checks import DTYPES, check_heads
 from .options import KernelOptions
-from .plan_checks import check_captured
+from .plan_checks import check_captured, check_same_kind
 
 
 # ---------------------------------------------------------------------------------- linear attention
@@ -62,29 +62,19 @@ def _decode_dv(device, rows: int, v_pad: int) -> int:
     the batch is too small to fill the GPU. Measured on the H100 (16 heads, 128 x 128 states,
     CUDA graphs): B=64 83% of the copy bandwidth at 64 / 8 warps against 80% at 32; B=1
     3.3 us at 16 / 4 warps against 4.0 at 32 / 4."""
+    from ..kernels.decode import _sm_count
+    sms = _sm_count(device)
     block = min(64, v_pad)
-    while block > 16 and rows * (v_pad // block) < 2 * _sms(device):
+    while block > 16 and rows * (v_pad // block) < 2 * sms:
         block //= 2
     return block
-
-
-def _sms(device) -> int:
-    from ..kernels.decode import _sm_count
-    return _sm_count(device)
 
 
 def check_linear(query, key, value, initial_state, enable_gqa, *, state_name="initial_state",
                  state_rows=None) -> None:
     """query [B, Hq, T, Dk], key [B, Hkv, T, Dk], value [B, Hkv, T, Dv], a state [rows, Hq, Dk, Dv]
     float32 (rows = B unless ``state_rows``)."""
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        check_tensor(name, t, "[B, H, T, D]")
-    if not (query.dtype == key.dtype == value.dtype):
-        raise expected("key/value", f"the query's dtype {query.dtype}",
-                       f"key {key.dtype}, value {value.dtype}", "convert all three to one dtype")
-    if not (query.device == key.device == value.device):
-        raise expected("key/value", f"the query's device {query.device}",
-                       f"key on {key.device}, value on {value.device}", "move all three to one device")
+    check_same_kind(query, key, value, "[B, H, T, D]")
     B, Hq, T, Dk = query.shape
     if key.shape[0] != B or value.shape[0] != B:
         raise expected("key/value batch", f"batch {B} like query", f"{key.shape[0]} and {value.shape[0]}",
