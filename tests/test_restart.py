@@ -142,3 +142,41 @@ def test_warmup_cli_fills_the_caches(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "flexgen", "warmup", "serving_mods"], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "module:function" in bad.stderr
+
+
+KEY_SCRIPT = r"""
+import json, sys
+import triton.runtime.cache as triton_cache
+from flexgen.runtime import compiler_key
+original = triton_cache.triton_key
+if len(sys.argv) > 1:                      # as if a Triton file had changed since the record
+    compiler_key._stamp = lambda *a: "another stamp"
+compiler_key.install()
+print(json.dumps({"computed": triton_cache.triton_key is original and original.cache_info().currsize == 1,
+                  "key": triton_cache.triton_key()}))
+"""
+
+
+def test_triton_key_is_recorded_and_reused(tmp_path):
+    """Triton's compiler key (a hash of its files, ~0.4 s a process) is computed by the first
+    process and taken from the restart index by the next; a change in Triton's files or a
+    tampered entry makes a process compute it again."""
+    def run(*argv):
+        env = dict(os.environ, FLEXGEN_CACHE_DIR=str(tmp_path))
+        env.pop("FLEXGEN_RESTART_INDEX", None)
+        done = subprocess.run([sys.executable, "-c", KEY_SCRIPT, *argv], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first = run()
+    assert first["computed"]
+    second = run()
+    assert not second["computed"] and second["key"] == first["key"]
+    assert run("changed")["computed"]
+    for path in (tmp_path / "index").glob("triton_key-*.json"):
+        entry = json.loads(path.read_text())
+        entry["value"] = entry["value"][:-1] + ("0" if entry["value"][-1] != "0" else "1")
+        path.write_text(json.dumps(entry))
+    tampered = run()
+    assert tampered["computed"] and tampered["key"] == first["key"]

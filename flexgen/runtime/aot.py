@@ -17,7 +17,7 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import mangle_type
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..runtime import launch
+from ..runtime import compiler_key, launch
 from ..codegen import cache
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -69,6 +69,7 @@ def compile_launch(spec, args, constexprs, target=HOPPER):
     source = (GluonASTSource if gluon else ASTSource)(fn=kernel, signature=signature,
                                                      constexprs=dict(constexprs))
     options = {"num_warps": module.NUM_WARPS, "num_stages": getattr(module, "NUM_STAGES", 1)}
+    compiler_key.install()
     return triton.compile(source, target=target, options=options)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import sys
 import threading
 
 import weakref
@@ -21,12 +22,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-try:        # the Gluon kernel's descriptors (they also carry the shared layout, fixed by these)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
-except ImportError:
-    GluonDescriptor = TensorDescriptor
-
-from ..runtime import tuning
+from ..runtime import compiler_key, tuning
 from ..codegen import cache
 from ..codegen.spec import KernelSpec
 
@@ -255,13 +251,21 @@ def _arg_classes(args) -> tuple | None:
             classes.append(2)
         elif t is torch.Tensor or isinstance(a, torch.Tensor):
             classes.append((a.dtype, a.data_ptr() % 16 == 0))
-        elif t is TensorDescriptor or t is GluonDescriptor:
+        elif t is TensorDescriptor or t is _gluon_descriptor():
             # Triton specializes a host TMA descriptor on its dtype and block shape only
             # (the launcher encodes base, shape and strides at each launch).
             classes.append((a.base.dtype, tuple(a.block_shape)))
         else:
             return None     # bool, None, descriptors, ...: Triton's own path
     return tuple(classes)
+
+
+def _gluon_descriptor():
+    """Gluon's host TMA descriptor class (it also carries the shared layout), or None while
+    no Gluon kernel is loaded: importing Gluon costs ~0.15 s of a process's first call,
+    and only a Gluon kernel's module (which imports it) builds one."""
+    hopper = sys.modules.get("triton.experimental.gluon.nvidia.hopper")
+    return getattr(hopper, "TensorDescriptor", None)
 
 
 def _idle(hook) -> bool:
@@ -296,6 +300,7 @@ def _launch_compiled(spec: KernelSpec, module, grid, args, constexprs):
                        kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
             return kernel, grid, args, tail, device_index
     options = dict(num_warps=module.NUM_WARPS, num_stages=getattr(module, "NUM_STAGES", 1))
+    compiler_key.install()
     kernel = module.KERNEL[grid](*args, **constexprs, **options)
     names = module.KERNEL.arg_names
     if key is not None and kernel is not None and set(names[len(args):]) == set(constexprs):
