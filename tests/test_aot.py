@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from flexgen import create_block_mask, flex_attention
 
@@ -68,3 +69,17 @@ def test_broken_kernel_fails_the_check():
     for _ in range(2):   # memoized failures keep failing every test that launches the kernel
         with pytest.raises(pytest.fail.Exception, match="(?s)sm_90.*" + broken.kernel_name):
             compile_recorded([(broken, args, constexprs)])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_compiled_tanh_is_the_one_instruction_form_for_half_inputs(dtype):
+    """A mod's tanh compiles to tanh.approx.f32 on the GPU for float16 / bfloat16 inputs (its
+    error, 2^-11 relative, is below theirs) and stays the exact form for float32; the
+    interpreter always runs the exact one (the CPU tests check its values)."""
+    q, k, v = make_qkv(B=1, H=1, L=40, D=32, dtype=dtype)
+    with aot.recording() as launches:
+        flex_attention(q, k, v, score_mod=M.tanh_softcap(9.0))
+    spec, args, constexprs = launches[0]
+    ptx = aot.compile_launch(spec, args, constexprs).asm["ptx"]
+    assert ("tanh.approx.f32" in ptx) == (dtype != torch.float32)
+    assert not cache.load(spec, interpret=True).FAST_TANH

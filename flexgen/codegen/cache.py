@@ -225,6 +225,16 @@ def _execute(name: str, text: str, path: Path | None, interpret: bool) -> types.
     return module
 
 
+# FLEXGEN_EXACT_TANH=1: compiled kernels use the exact tanh for float16 / bfloat16 too.
+EXACT_TANH = os.environ.get("FLEXGEN_EXACT_TANH", "0") not in ("", "0")
+
+
+def fast_tanh(spec: KernelSpec) -> bool:
+    """Whether a module compiled for the GPU takes tanh.approx for the mods' tanh: where the
+    inputs are float16 / bfloat16, whose precision the approximation's error is below."""
+    return not EXACT_TANH and spec.dtype in ("float16", "bfloat16")
+
+
 def load(spec: KernelSpec, interpret: bool):
     """The kernel module for ``spec``; ``interpret`` loads it for the Triton interpreter (CPU)."""
     cache_key = (spec.key, interpret)
@@ -237,6 +247,9 @@ def load(spec: KernelSpec, interpret: bool):
             text = _module_text(spec)
             name = f"flexgen_kernels.{spec.kernel_name}{'_interp' if interpret else ''}"
             module = _execute(name, text, _disk_copy(spec.kernel_name, text), interpret)
+            if not interpret and fast_tanh(spec) and "FAST_TANH" in vars(module):
+                # Before the first compile: Triton keys a kernel on the constexpr globals it reads.
+                module.FAST_TANH = type(module.FAST_TANH)(True)
             if len(_MODULES) >= MAX_MODULES:
                 # A process making mods per call: forget the oldest half (a plan that still
                 # holds one of them keeps it alive; a later load renders it again).
