@@ -222,6 +222,8 @@ SNAPSHOTS = {
     "dq_document_alibi": ("dq", 128, M.alibi(4), M.document_mask(M.doc_ids_from_lengths([40, 50, 38]))),
     "dkdv_no_mask": ("dkdv", 128, None, None),
     "decode_sliding_window": ("forward", 1, None, M.sliding_window(32)),
+    # The Gluon forward (sm_90), planned as on a Hopper GPU.
+    "gluon_forward_causal_softcap": ("forward", 128, M.tanh_softcap(30.0), M.causal_mask),
 }
 
 
@@ -232,15 +234,25 @@ def snapshot(snapshot):
 
 
 @pytest.mark.parametrize("case", SNAPSHOTS)
-def test_kernel_source_snapshot(case, snapshot):
+def test_kernel_source_snapshot(case, snapshot, monkeypatch):
     """Golden sigmoid kernels (tests/snapshots/test_sigmoid/); rewrite with --snapshot-update."""
     from test_snapshots import normalize
+    from flexgen.runtime import plan as plan_module
     part, Lq, score_mod, mask_mod = SNAPSHOTS[case]
+    options = None
+    if case.startswith("gluon"):
+        monkeypatch.setattr(plan_module, "gluon_unavailable", lambda query, D, Dv: None)
+        plan_module.clear_memos()
+        options = {"BACKEND": "gluon"}
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, Lq, 64, generator=gen).to(torch.bfloat16)
     k = torch.randn(1, 2, 128, 64, generator=gen).to(torch.bfloat16)
     mask = None if mask_mod is None else create_block_mask(mask_mod, 1, None, Lq, 128, device="cpu")
-    text = flexgen.sigmoid_kernel_source(q, k, k.clone(), score_mod, mask, enable_gqa=True, part=part)
+    try:
+        text = flexgen.sigmoid_kernel_source(q, k, k.clone(), score_mod, mask, enable_gqa=True, part=part,
+                                             kernel_options=options)
+    finally:
+        plan_module.clear_memos()
     assert normalize(text) == snapshot
 
 
