@@ -2,13 +2,16 @@
 
 ``templates/forward_gluon.py.jinja`` renders from the forward kernel's spec fields and the
 same printed mod snippets: a TMA producer warp fills a K/V ring guarded by mbarriers, two
-consumer warpgroups (64 query rows each) run async wgmma and the online softmax. Gluon does
+consumer warpgroups (64 query rows each) run async wgmma and the online softmax (or, for
+sigmoid_attention, the sigmoid weights: the template's ``activation`` switch). Gluon does
 not run in Triton's interpreter, so on CPU this file checks the choice and its refusals, the
 rendered source (a snapshot) and that every variant the tests render compiles for sm_90
 (with the installed Triton: CI runs it on 3.6 and on the newest). The oracle comparisons
 need an sm_90 GPU and are skipped elsewhere.
 """
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from flexgen import create_block_mask, flex_attention
 from flexgen import mods as M
 from flexgen.codegen import cache
 from flexgen.errors import InputError
+from flexgen.reference import sigmoid_attention_reference
 from flexgen.frontend.trace import trace_cached
 from flexgen.kernels.forward import broadcast_lists
 from flexgen.masks.block_mask import mask_inputs
@@ -29,6 +33,7 @@ import conftest
 from conftest import make_qkv, run_and_check
 
 GLUON = {"BACKEND": "gluon"}
+gluon_unavailable = plan_module.gluon_unavailable
 ON_HOPPER = (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
              and plan_module.gluon_refusal("cuda", (9, 0), torch.bfloat16, 64, 64) is None)
 needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU and Triton's Gluon")
@@ -59,7 +64,7 @@ def test_auto_and_tl_plan_the_tl_kernel_on_cpu():
 
 def test_auto_picks_gluon_for_large_calls_only(as_if_hopper):
     """Where the Gluon kernel can run, AUTO takes it for calls of at least GLUON_MIN_SCORES
-    scores and no tiles of the caller's; "tl" never does; sigmoid_attention keeps tl."""
+    scores and no tiles of the caller's; "tl" never does."""
     big = make_qkv(B=1, H=64, L=4096, D=64, dtype=torch.bfloat16)
     small = make_qkv(B=1, H=2, L=300, D=64, dtype=torch.bfloat16)
     plan = flexgen.api.plan(*big)
@@ -69,10 +74,6 @@ def test_auto_picks_gluon_for_large_calls_only(as_if_hopper):
     assert flexgen.api.plan(*big, kernel_options={"BACKEND": "tl"}).spec.template == "forward"
     assert flexgen.api.plan(*big, kernel_options={"BLOCK_N": 64}).spec.template == "forward"
     assert flexgen.api.plan(*small, kernel_options=GLUON).spec.template == "forward_gluon"
-    from flexgen.runtime.plan import plan_sigmoid
-    _, s_plan = plan_module._sigmoid_plans(*big, "", (), "", (), (), (), (), 0.125, False, "")
-    assert s_plan.spec.template == "forward" and s_plan.spec.activation == "sigmoid"
-    assert plan_sigmoid is not None
 
 
 def test_cpu_tensors_are_refused_with_the_reason():
@@ -120,10 +121,46 @@ def test_block_sizes_it_cannot_tile_are_refused(as_if_hopper):
         flexgen.api.plan(q, k, v, block_mask=bm, kernel_options=GLUON)
 
 
-def test_sigmoid_attention_refuses_gluon(as_if_hopper):
-    q, k, v = make_qkv(L=200, D=64, dtype=torch.bfloat16)
-    with pytest.raises(InputError, match="softmax only"):
-        flexgen.sigmoid_attention(q, k, v, kernel_options=GLUON)
+def sigmoid_plan(q, k, v, score_mod=None, block_mask=None, options=None, enable_gqa=False):
+    """sigmoid_attention's plan of a call (what ``flexgen.sigmoid_attention`` launches)."""
+    from flexgen.api import _mods, check_scale
+    return plan_module.plan_sigmoid(q, k, v, *_mods(score_mod, block_mask), check_scale(None, q.shape[-1]),
+                                    enable_gqa, parse_options(options).text)
+
+
+def test_sigmoid_attention_takes_gluon_as_softmax_does(as_if_hopper):
+    """sigmoid_attention's forward takes the Gluon kernel by flex_attention's rule (AUTO from
+    GLUON_MIN_SCORES scores without tiles of the caller's, or BACKEND "gluon"), its sigmoid
+    form; the tl sigmoid kernel stays at hand, and the backward stays tl."""
+    big = make_qkv(B=1, H=64, L=4096, D=64, dtype=torch.bfloat16)
+    small = make_qkv(B=1, H=2, L=300, D=64, dtype=torch.bfloat16)
+    plan = sigmoid_plan(*big)
+    assert (plan.spec.template, plan.spec.activation) == ("forward_gluon", "sigmoid")
+    assert (plan.tl_spec.template, plan.tl_spec.activation) == ("forward", "sigmoid")
+    assert not plan.pointer_spec.use_tma and plan.pointer_spec.activation == "sigmoid"
+    for options in (None, {"BACKEND": "tl"}, {"BLOCK_N": 64}):
+        tl_plan = sigmoid_plan(*(small if options is None else big), options=options)
+        assert (tl_plan.spec.template, tl_plan.spec.activation) == ("forward", "sigmoid")
+    assert sigmoid_plan(*small, options=GLUON).spec.template == "forward_gluon"
+    source = flexgen.sigmoid_kernel_source(*small, kernel_options=GLUON)
+    kernel = source.split("@gluon.jit(do_not_specialize")[1].split('"""')[0]
+    assert "SIGMOID_BIAS" in kernel and "EXACT_SIGMOID" in kernel and "LSE" not in kernel
+    assert "tanh.approx.f32" in source and not re.search(r"\b(m_i|l_i|alpha)\s*=", source)
+    # The Gluon dK/dV kernel is softmax only: BACKEND "gluon" names the forward kernel here.
+    dkdv = flexgen.sigmoid_kernel_source(*small, kernel_options=GLUON, part="dkdv")
+    assert "@triton.jit" in dkdv and "# activation: sigmoid" in dkdv
+
+
+def test_sigmoid_attention_declines_gluon_with_the_reason(as_if_hopper):
+    q, k, v = make_qkv(L=256, D=64, dtype=torch.bfloat16)
+    bm = create_block_mask(M.causal_mask, None, None, 256, 256, device="cpu", BLOCK_SIZE=64)
+    with pytest.raises(InputError, match="Q_BLOCK 64"):
+        flexgen.sigmoid_attention(q, k, v, block_mask=bm, kernel_options=GLUON)
+    plan_module.clear_memos()
+    with pytest.MonkeyPatch.context() as mp:      # the real refusal on CPU tensors
+        mp.setattr(plan_module, "gluon_unavailable", gluon_unavailable)
+        with pytest.raises(InputError, match="CUDA GPUs only"):
+            flexgen.sigmoid_attention(q, k, v, kernel_options=GLUON)
 
 
 # ------------------------------------------------------------------------- source and sm_90
@@ -175,36 +212,59 @@ def case_inputs(name, device="cpu"):
     return q, k, v, score, bm
 
 
-@pytest.mark.skipif(not conftest.AOT_ENABLED, reason="FLEXGEN_TEST_AOT=0")
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_gluon_kernel_compiles_for_sm90(as_if_hopper, name):
-    """Each variant compiles to a cubin for sm_90 with the installed Triton, with the
-    argument types of a real launch (Gluon TMA descriptors, block lists, captured tensors)."""
+def gluon_launch(name, sigmoid=False):
+    """(spec, args, constexprs) of the Gluon forward launch of case ``name`` (flex_attention's,
+    or with ``sigmoid`` sigmoid_attention's), as the runtime would make them."""
     q, k, v, score, bm = case_inputs(name)
-    plan = flexgen.api.plan(q, k, v, score_mod=score, block_mask=bm, enable_gqa=True,
-                            kernel_options=GLUON)
-    spec = plan.spec
-    assert spec.template == "forward_gluon"
+    if sigmoid:
+        spec = sigmoid_plan(q, k, v, score, bm, GLUON, enable_gqa=True).spec
+    else:
+        spec = flexgen.api.plan(q, k, v, score_mod=score, block_mask=bm, enable_gqa=True,
+                                kernel_options=GLUON).spec
+    assert spec.template == "forward_gluon" and spec.activation == ("sigmoid" if sigmoid else "softmax")
     module = cache.load(spec, interpret=False)
     B, H, Lq, _ = q.shape
     _, _, lists, block_size, _ = mask_inputs(bm)
     sparse = None if bm is None else (*broadcast_lists(lists[:4], B, H), *block_size)
     out = torch.empty(B, H, Lq, v.shape[3], dtype=q.dtype)
-    lse = torch.empty(B, H, Lq)
+    lse = None if sigmoid else torch.empty(B, H, Lq)
     score_buffers = () if score is None else trace_cached(score, "score_mod").buffers
     mask_buffers = () if bm is None else trace_cached(bm.mask_mod, "mask_mod").buffers
-    grid, args, constexprs = module.arguments(q=q, k=k, v=v, out=out, lse=lse, sparse=sparse,
-                                              score_buffers=score_buffers, mask_buffers=mask_buffers,
-                                              scale=0.125, max_scores=lse)
+    _, args, constexprs = module.arguments(
+        q=q, k=k, v=v, out=out, lse=lse, sparse=sparse, score_buffers=score_buffers,
+        mask_buffers=mask_buffers, scale=0.125, max_scores=lse, **({"bias": -3.5} if sigmoid else {}))
+    return spec, args, constexprs
+
+
+@pytest.mark.skipif(not conftest.AOT_ENABLED, reason="FLEXGEN_TEST_AOT=0")
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gluon_kernel_compiles_for_sm90(as_if_hopper, name):
+    """Each variant compiles to a cubin for sm_90 with the installed Triton, with the
+    argument types of a real launch (Gluon TMA descriptors, block lists, captured tensors)."""
+    spec, args, constexprs = gluon_launch(name)
     compiled = aot.compile_launch(spec, args, constexprs)
     assert compiled.asm.get("cubin")
-    if score is M.tanh_softcap or name.startswith("softcap"):     # bf16: the one-instruction tanh
+    if name.startswith("softcap"):     # bf16: the one-instruction tanh
         assert "tanh.approx.f32" in compiled.asm["ptx"]
     if name == "causal_d64_fp16":   # the ping-pong schedule (off by default) compiles too
         assert aot.compile_launch(spec, args, dict(constexprs, PINGPONG=True)).asm.get("cubin")
     # Hopper's asynchronous matrix instructions and TMA copies, not a fallback.
     ptx = compiled.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+
+
+@pytest.mark.skipif(not conftest.AOT_ENABLED, reason="FLEXGEN_TEST_AOT=0")
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gluon_sigmoid_kernel_compiles_for_sm90(as_if_hopper, name):
+    """sigmoid_attention's Gluon kernel (the same cases) compiles for sm_90, its weights from
+    tanh.approx.f32 as the GPU runs them (EXACT_SIGMOID off), with no LSE argument."""
+    spec, args, constexprs = gluon_launch(name, sigmoid=True)
+    compiled = aot.compile_launch(spec, args, constexprs)
+    assert compiled.asm.get("cubin")
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "tanh.approx.f32" in ptx
+    names = cache.load(spec, interpret=False).KERNEL.arg_names
+    assert "SIGMOID_BIAS" in names and "LSE" not in names and "MAX" not in names
 
 
 # ------------------------------------------------------------------------- on the GPU
@@ -243,7 +303,8 @@ def test_gluon_grid_matches_the_oracle(D, dtype, mods, shape):
 @needs_hopper
 @pytest.mark.parametrize("D", [64, 128])
 def test_gluon_dead_rows_are_zero_with_lse_minus_inf(D):
-    """Rows no key is allowed for: output exactly 0 and LSE -inf, as the tl kernel gives."""
+    """Rows no key is allowed for: output exactly 0 and LSE -inf, as the tl kernel gives;
+    sigmoid_attention's rows exactly 0 too."""
     q, k, v = make_qkv(B=1, H=2, L=400, D=D, dtype=torch.bfloat16, device="cuda")
 
     def late(b, h, q_idx, kv_idx):
@@ -251,6 +312,10 @@ def test_gluon_dead_rows_are_zero_with_lse_minus_inf(D):
     bm = create_block_mask(late, None, None, 400, 400, device="cuda")
     out, lse = run_and_check(q, k, v, block_mask=bm, kernel_options=GLUON)
     assert torch.isneginf(lse[:, :, :150]).all() and (out[:, :, :150] == 0).all()
+    out = flexgen.sigmoid_attention(q, k, v, block_mask=bm, kernel_options=GLUON)
+    assert (out[:, :, :150] == 0).all()
+    ref = sigmoid_attention_reference(q, k, v, mask_mod=bm)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
 
 
 @needs_hopper
@@ -265,6 +330,22 @@ def test_gluon_matches_the_tl_kernel_and_writes_max_scores():
     torch.testing.assert_close(og.float(), ot.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(aux_g.lse, aux_t.lse, atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(aux_g.max_scores, aux_t.max_scores, atol=1e-3, rtol=1e-4)
+
+
+@needs_hopper
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gluon_sigmoid_cases_match_the_oracle(name):
+    """sigmoid_attention's Gluon forward (tanh.approx on the GPU) against the float64 oracle,
+    and against its tl kernel."""
+    q, k, v, score, bm = case_inputs(name, device="cuda")
+    outs = {backend: flexgen.sigmoid_attention(q, k, v, score_mod=score, block_mask=bm, bias=-2.5,
+                                               enable_gqa=True, kernel_options={"BACKEND": backend})
+            for backend in ("gluon", "tl")}
+    ref = sigmoid_attention_reference(q, k, v, score, bm, bias=-2.5, enable_gqa=True)
+    for backend, out in outs.items():
+        assert not out.isnan().any()
+        torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2, msg=f"{name} {backend}")
+    torch.testing.assert_close(outs["gluon"].float(), outs["tl"].float(), atol=1e-2, rtol=1e-2)
 
 
 @needs_hopper
@@ -314,6 +395,26 @@ def test_a_gluon_compile_error_under_backend_gluon_says_so(as_if_hopper, monkeyp
     q, k, v = make_qkv(B=1, H=2, L=80, D=64, dtype=torch.bfloat16)
     with pytest.raises(InputError, match="compile error with Triton"):
         flex_attention(q, k, v, kernel_options=GLUON)
+    with pytest.raises(InputError, match="compile error with Triton"):
+        flexgen.sigmoid_attention(q, k, v, kernel_options=GLUON)
+
+
+def test_a_sigmoid_gluon_compile_error_under_auto_falls_back_to_tl(as_if_hopper, monkeypatch):
+    """sigmoid_attention's plan falls back as flex_attention's does: to its tl sigmoid kernel,
+    for good (the softmax plan of the same call keeps its own choice)."""
+    monkeypatch.setattr(plan_module, "GLUON_MIN_SCORES", 0)
+    _compile_fails(monkeypatch)
+    q, k, v = make_qkv(B=1, H=2, L=80, D=64, dtype=torch.bfloat16)
+    bm = create_block_mask(M.causal_mask, None, None, 80, 80, device="cpu")
+    plan = sigmoid_plan(q, k, v, block_mask=bm)
+    assert plan.spec.template == "forward_gluon"
+    for _ in range(2):                        # the second call goes straight to the tl kernel
+        out = flexgen.sigmoid_attention(q, k, v, block_mask=bm)
+        assert (plan.spec.template, plan.spec.activation) == ("forward", "sigmoid")
+        assert plan.tl_spec is None
+        ref = sigmoid_attention_reference(q, k, v, mask_mod=bm)
+        torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    assert flexgen.api.plan(q, k, v, block_mask=bm).spec.template == "forward_gluon"
 
 
 

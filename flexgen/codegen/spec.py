@@ -27,9 +27,9 @@ from .snippet import Snippet
 # tile macros of common.py.jinja; the dQ kernel's dO and out loads spell out their mask
 # instead of sharing a v_mask variable. forward 6: varlen's full tiles without bounds checks;
 # forward_gluon 2: its varlen form; 3: the Gluon helpers moved into common.py.jinja
-# macros shared with backward_gluon.)
-SIGMOID_REVISION = 3
-TEMPLATE_VERSIONS = {"forward": 6, "forward_gluon": 3, "backward_gluon": 2, "block_mask": 3,
+# macros shared with backward_gluon; 4: the sigmoid activation, its softmax source unchanged.)
+SIGMOID_REVISION = 4
+TEMPLATE_VERSIONS = {"forward": 6, "forward_gluon": 4, "backward_gluon": 2, "block_mask": 3,
                      "decode": 3, "decode_merge": 1, "paged_write": 2,
                      "backward": 8, "linear": 3, "linear_decode": 1}
 
@@ -79,8 +79,9 @@ class KernelSpec:
     def key(self) -> str:
         text = repr((self.template_version,) + astuple(self))
         if self.activation == "sigmoid":
-            # The sigmoid kernels' own revision (3: tanh.approx on the GPU, from the half argument), kept out of the
-            # template versions so that the softmax kernels' keys and sources stay as they were.
+            # The sigmoid kernels' own revision (3: tanh.approx on the GPU, from the half argument;
+            # 4: the dQ kernel's dz with p's factor first), kept out of the template versions so
+            # that the softmax kernels' keys and sources stay as they were.
             text += f" sigmoid revision {SIGMOID_REVISION}"
         return hashlib.sha256(text.encode()).hexdigest()
 

@@ -5,11 +5,12 @@
     out_i = Σ_j keep_ij · sigmoid(z_ij + bias) · v_j,    z = score_mod(q·kᵀ · scale)
 
 Each weight stands alone: there is no running max, no row sum and no rescaling of
-the accumulator, and a fully masked row is exactly 0. The forward, backward,
-decode and merge templates each have an ``activation`` switch (part of the spec,
-so of its key); everything else — the traced score_mod and mask_mod, the block-sparse
-loops over the block mask's lists, the GQA tiles, TMA, the tuning table — is
-flex_attention's (``flexgen.runtime.plan.plan_sigmoid``).
+the accumulator, and a fully masked row is exactly 0. The forward (tl and, on sm_90,
+Gluon), backward, decode and merge templates each have an ``activation`` switch (part of
+the spec, so of its key); everything else — the traced score_mod and mask_mod, the
+block-sparse loops over the block mask's lists, the GQA tiles, TMA, the tuning table,
+AUTO's choice of the Gluon forward — is flex_attention's
+(``flexgen.runtime.plan.plan_sigmoid``).
 
 The backward, with p = sigmoid(z + bias) recomputed per tile (no LSE, nothing saved but
 the inputs)::

@@ -251,7 +251,7 @@ def _plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_
         gluon = None
     if gluon is not None:
         # The tl kernel stays at hand: its pointer variant for inputs TMA cannot address at
-        # launch, itself for sigmoid_attention (which the Gluon kernel does not compute).
+        # launch, itself for a Triton the Gluon kernel does not compile on (run_forward).
         plan.tl_spec, plan.spec = plan.spec, gluon
         plan.pointer_spec = spec(False)
         plan.tune_blocks = None      # the tl autotuner's tiles are not the Gluon kernel's
@@ -632,28 +632,32 @@ def sigmoid_spec(spec):
 
 def _sigmoid_plans(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers, block_lists,
                    block_size, mask_lengths, scale, enable_gqa, options) -> tuple:
-    """(flex_attention's plan, sigmoid_attention's plan) of one call, memoized."""
+    """(flex_attention's plan that plans the backward, sigmoid_attention's plan) of one call,
+    memoized."""
     memo = (_key(query, key, value), score_mod, _key(*score_buffers), mask_mod, _key(*mask_buffers),
             _key(*block_lists[:2]), tuple(block_size), tuple(mask_lengths), scale, enable_gqa, options,
             torch.backends.cuda.matmul.allow_tf32 if query.device.type == "cuda" else None)
 
     def make():
+        # The Gluon forward kernel where softmax takes it (AUTO's rule, or BACKEND "gluon" and
+        # its refusals): the sigmoid plan keeps the tl kernel in tl_spec for the same fallback.
         base = plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers,
                               block_lists, block_size, mask_lengths, scale, enable_gqa, options)
-        if base.spec is not None and base.spec.template == "forward_gluon":
-            if base.options.BACKEND == "gluon":
-                raise expected("kernel_options['BACKEND']", "'AUTO', 'tl', 'TRITON' or "
-                               "'TRITON_DECODE' for sigmoid_attention", "'gluon'",
-                               "the Gluon kernel is softmax only")
-            base = dataclasses.replace(base, spec=base.tl_spec, tl_spec=None, replays={}, backward={})
         decode = base.decode
         if decode is not None:
             decode = dataclasses.replace(decode, spec=sigmoid_spec(decode.spec),
                                          deep_spec=sigmoid_spec(decode.deep_spec),
                                          merge_spec=sigmoid_spec(decode.merge_spec), replays={})
-        return base, dataclasses.replace(base, spec=sigmoid_spec(base.spec),
-                                         pointer_spec=sigmoid_spec(base.pointer_spec), decode=decode,
-                                         replays={}, backward={})
+        plan = dataclasses.replace(base, spec=sigmoid_spec(base.spec),
+                                   pointer_spec=sigmoid_spec(base.pointer_spec),
+                                   tl_spec=sigmoid_spec(base.tl_spec), decode=decode,
+                                   replays={}, backward={})
+        if base.options.BACKEND == "gluon":
+            # The Gluon dK/dV kernel is softmax only: the sigmoid backward runs the tl kernels,
+            # so BACKEND "gluon" names the forward kernel here (and refuses only for it).
+            base = dataclasses.replace(base, options=dataclasses.replace(base.options, BACKEND="tl"),
+                                       replays={}, backward={})
+        return base, plan
 
     return _memo(_SIGMOID, memo, make)
 
@@ -681,7 +685,7 @@ def plan_sigmoid_backward(query, key, value, score_mod: str, score_buffers, mask
         hit = plan.backward[memo] = dataclasses.replace(
             bw, dq=sigmoid_spec(bw.dq), dkdv=sigmoid_spec(bw.dkdv),
             pointer=None if bw.pointer is None else tuple(map(sigmoid_spec, bw.pointer)),
-            gluon_dkdv=None)        # the Gluon kernels are softmax only
+            gluon_dkdv=None)        # the Gluon dK/dV kernel is softmax only
     return hit
 
 
