@@ -8,7 +8,8 @@ chunking (lengths that are not multiples of the chunk, one chunk, many), the dec
 through running sums, GQA and the feature maps are all checked against the definition;
 gradients (the gates' and the initial state's included) against torch autograd through it.
 Chunks are 16 positions (``kernel_options={"BLOCK_M": 16}``) so short sequences span several;
-one case runs the default 64. Every kernel launched is also compiled for sm_90 (conftest).
+one case runs the default (128, two chunks). Every kernel launched is also compiled for sm_90
+(conftest).
 """
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ FORWARD = {
     "gates_elu_state": (2, 2, 2, 33, 32, None, torch.float32, "tokens", elu1, True, CHUNK16),
     "one_chunk_exact": (1, 2, 2, 16, 32, None, torch.float32, "tokens", None, False, CHUNK16),
     "single_position": (1, 2, 2, 1, 32, None, torch.float32, "heads", elu1, False, {"BACKEND": "TRITON"}),
-    "bf16_d64_default_chunk": (1, 2, 1, 70, 64, None, torch.bfloat16, "tokens", None, True, None),
+    "bf16_d64_default_chunk": (1, 2, 1, 150, 64, None, torch.bfloat16, "tokens", None, True, None),
     "fp16_d16": (1, 2, 2, 40, 16, None, torch.float16, "heads", elu1, False, CHUNK16),
     "bf16_d256": (1, 1, 1, 20, 256, 32, torch.bfloat16, "heads", None, False, CHUNK16),
 }
