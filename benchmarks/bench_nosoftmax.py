@@ -26,7 +26,8 @@ checked for correctness before it is timed:
 
 Cases run in order of importance (sigmoid causal, linear lightning and gates, sigmoid full,
 decode B=64 then 1, then fla's forward and forward+backward, since fla autotunes for minutes on
-its first calls), each printed as soon as it is measured; a case not started within ``--budget``
+its first calls; ``--fla-cases`` picks which, by default all but the gated forward+backward where
+fla refuses it), each printed as soon as it is measured; a case not started within ``--budget``
 seconds (150) is listed as skipped. Times are ``triton.testing.do_bench`` medians of ~50 ms. A case that fails is printed with its error and
 the run goes on; SIGTERM still writes the JSON and the table. Writes JSON (device, versions,
 every case) under ``$OUT`` when set (``--out`` overrides), else ``benchmarks/results/``.
@@ -265,6 +266,21 @@ def fla_cases(args, timer, cuda, device, row, backward: bool) -> None:
     print(f"  {row}", flush=True)
 
 
+def fla_case_names(text: str, cuda: bool) -> set:
+    """The fla cases ``--fla-cases`` asks for (see its help)."""
+    names = {"lightning", "gates", "lightning-fb", "gates-fb"}
+    if text != "auto":
+        wanted = set(filter(None, text.split(",")))
+        if wanted - names:
+            raise SystemExit(f"--fla-cases: unknown {sorted(wanted - names)}; pick among {sorted(names)}")
+        return wanted
+    import triton
+    version = tuple(int(p) for p in triton.__version__.split(".")[:3] if p.isdigit())
+    if cuda and torch.cuda.get_device_capability() == (9, 0) and (3, 4, 0) <= version < (3, 7, 1):
+        names.discard("gates-fb")
+    return names
+
+
 # ---------------------------------------------------------------------------------- decode
 
 def graph_ms(fn, timer, cuda) -> float | None:
@@ -383,6 +399,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,64", help="decode batch sizes")
     ap.add_argument("--parts", default="sigmoid,linear,decode")
     ap.add_argument("--skip-fla", action="store_true")
+    ap.add_argument("--fla-cases", default="auto",
+                    help="fla's cases, comma-separated among lightning, gates, lightning-fb, gates-fb; "
+                         "auto: all but gates-fb where fla refuses it (Hopper with Triton >= 3.4 and "
+                         "< 3.7.1, its issue #640), after minutes of autotuning its other kernels")
     ap.add_argument("--budget", type=float, default=150.0,
                     help="seconds: cases not started by then are listed as skipped")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (interpreter): tests the script")
@@ -414,9 +434,14 @@ def main(argv=None) -> int:
     cases += [("fla", ("lightning", False)), ("fla", ("gates", False)),
               ("fla", ("lightning", True)), ("fla", ("gates", True))]
 
+    fla_wanted = fla_case_names(args.fla_cases, cuda)
+
     def peer(variant, backward):
         rows = [c for c in payload["cases"] if c["part"] == "linear" and c["variant"] == variant]
-        if rows and "error" not in rows[0]:
+        name = variant + ("-fb" if backward else "")
+        if rows and name not in fla_wanted:
+            rows[0].setdefault("peer", f"fla {name} not run (--fla-cases {args.fla_cases})")
+        elif rows and "error" not in rows[0]:
             fla_cases(args, timer, cuda, device, rows[0], backward)
         return []
 

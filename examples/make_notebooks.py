@@ -706,14 +706,18 @@ for name, decay in (("no decay", None), ("lightning", lightning), ("gated", gate
     print(f"{name:10s}", check(out, want, tol=1e-3 * want.abs().max().item()))
 """),
     md("""
-The mods become a few lines of the generated kernels, like a score_mod does. In
-the chunked forward's output kernel: the decay, folded in through running sums
-within each chunk (every exponent is a difference `G_i - G_j <= 0`), and the
-feature map on the query tile:
+The mods become a few lines of the generated kernels, like a score_mod does. A
+decay_mod that reads `t` runs once, in a small prefix kernel that writes its
+running sums `G` within each chunk; the chunked forward's output kernel reads them
+and folds the decay in (every exponent is a difference `G_i - G_j <= 0`), with the
+feature map on the query tile. (A decay_mod that does not read `t`, like
+`lightning`, needs no prefix kernel: its sums are `(i + 1) g`.)
 """),
     code("""
+prefix = flexgen.linear_kernel_source(q, k, v, decay_mod=gated, feature_map=elu1, part="prefix")
+print(weight_lines(prefix, "d_0 = tl.load", "tl.store(GCUM"))
 source = flexgen.linear_kernel_source(q, k, v, decay_mod=gated, feature_map=elu1, part="output")
-print(weight_lines(source, "# g = decay_mod", "g_chunk = "))
+print(weight_lines(source, "# G and g_chunk", "g_chunk = "))
 print(weight_lines(source, "x = q.to(tl.float32)", "qf = tl.where"))
 print(weight_lines(source, "o = o * tl.exp(G)", "a = tl.where"))
 """),

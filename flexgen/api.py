@@ -511,12 +511,15 @@ def linear_attention(query, key, value, decay_mod=None, feature_map=None, scale=
     caller continuing a sequence passes the matching slice of its gates. ``scale`` defaults to
     1/sqrt(Dk). ``initial_state`` ``[B, Hq, Dk, Dv]`` (float32; zeros for None). Returns ``out``
     ``[B, Hq, T, Dv]`` in the query's dtype, and with ``output_final_state`` also the final state
-    ``[B, Hq, Dk, Dv]`` float32. ``kernel_options``: BLOCK_M is the chunk size (default 64),
-    BLOCK_N the value-dim slice, num_warps / num_stages, BACKEND "TRITON" (always chunked) or
-    "TRITON_DECODE" (always the recurrent kernel).
+    ``[B, Hq, Dk, Dv]`` float32. ``kernel_options``: BLOCK_M is the chunk size (default 128 for
+    the forward, 64 for the backward on a GPU; BLOCK_M sets both), BLOCK_N the value-dim slice,
+    num_warps / num_stages, BACKEND "TRITON" (always chunked) or "TRITON_DECODE" (always the
+    recurrent kernel).
 
     The prefill runs in chunks (O(T·C) per head): the state entering each chunk, one chunk
-    after another per head and value slice, then the outputs of all chunks in parallel; a short call (T <= 16) with an ``initial_state``
+    after another per head and head-dim slice, then the outputs of all chunks in parallel (a
+    decay_mod that reads t first has its running sums per chunk computed by one small kernel);
+    a short call (T <= 16) with an ``initial_state``
     runs the recurrent decode kernel. Differentiable with respect to query, key, value,
     ``initial_state`` and floating tensors the decay_mod captures that require grad (the
     gates); the feature map's derivative is derived symbolically. One
@@ -564,13 +567,14 @@ def linear_attention_decode(query, key, value, state, slots, decay_mod=None, fea
         parse_options(kernel_options).text)
 
 
-LINEAR_PARTS = ("state", "output", "decode", "grad", "gates")
+LINEAR_PARTS = ("prefix", "state", "output", "decode", "grad", "gates")
 
 
 def linear_kernel_source(query, key, value, decay_mod=None, feature_map=None, scale=None,
                          initial_state=None, enable_gqa=False, kernel_options=None, part="output") -> str:
     """The generated module source of one of ``linear_attention``'s kernels for these arguments:
-    ``part`` "state", "output" (the chunked forward), "decode" (the recurrent kernel),
+    ``part`` "prefix" (a decay_mod reading t: its running sums per chunk), "state", "output"
+    (the chunked forward), "decode" (the recurrent kernel),
     "grad" or "gates" (the backward; "gates" for a decay_mod whose captured tensors require
     grad). Nothing is launched."""
     from .runtime.plan import plan_linear, plan_linear_backward
@@ -588,6 +592,10 @@ def linear_kernel_source(query, key, value, decay_mod=None, feature_map=None, sc
             raise expected("decay_mod", "captured tensors that require grad (for the gates kernel)",
                            "none", "pass gates with requires_grad=True")
         return source(bw.grad if part == "grad" else bw.gates)
+    if part == "prefix" and plan.prefix is None:
+        raise expected("decay_mod", "a decay that reads t (for the prefix kernel)",
+                       "none" if decay_mod is None else "one constant in t (its sums are in closed form)",
+                       "pass per-token gates such as gates[b, h, t]")
     return source(getattr(plan, part))
 
 

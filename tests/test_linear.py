@@ -8,7 +8,8 @@ chunking (lengths that are not multiples of the chunk, one chunk, many), the dec
 through running sums, GQA and the feature maps are all checked against the definition;
 gradients (the gates' and the initial state's included) against torch autograd through it.
 Chunks are 16 positions (``kernel_options={"BLOCK_M": 16}``) so short sequences span several;
-one case runs the default 64. Every kernel launched is also compiled for sm_90 (conftest).
+one case runs the default (128, two chunks). Every kernel launched is also compiled for sm_90
+(conftest).
 """
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ FORWARD = {
     "gates_elu_state": (2, 2, 2, 33, 32, None, torch.float32, "tokens", elu1, True, CHUNK16),
     "one_chunk_exact": (1, 2, 2, 16, 32, None, torch.float32, "tokens", None, False, CHUNK16),
     "single_position": (1, 2, 2, 1, 32, None, torch.float32, "heads", elu1, False, {"BACKEND": "TRITON"}),
-    "bf16_d64_default_chunk": (1, 2, 1, 70, 64, None, torch.bfloat16, "tokens", None, True, None),
+    "bf16_d64_default_chunk": (1, 2, 1, 150, 64, None, torch.bfloat16, "tokens", None, True, None),
     "fp16_d16": (1, 2, 2, 40, 16, None, torch.float16, "heads", elu1, False, CHUNK16),
     "bf16_d256": (1, 1, 1, 20, 256, 32, torch.bfloat16, "heads", None, False, CHUNK16),
 }
@@ -162,7 +163,10 @@ BACKWARD = {
 
 @pytest.mark.parametrize("case", BACKWARD)
 def test_gradients_match_reference(case):
-    B, Hq, Hkv, T, D, Dv, dtype, kind, feature_map, with_state, with_final, options = BACKWARD[case]
+    _check_gradients(*BACKWARD[case], case=case)
+
+
+def _check_gradients(B, Hq, Hkv, T, D, Dv, dtype, kind, feature_map, with_state, with_final, options, case):
     q, k, v = _inputs(B, Hq, Hkv, T, D, Dv, dtype, grad=True)
     decay_mod, learned = _decay(kind, B, Hq, T, grad=True)
     state = torch.randn(B, Hq, D, Dv or D, requires_grad=True) if with_state else None
@@ -177,12 +181,46 @@ def test_gradients_match_reference(case):
 
     ref, ref_final = linear_attention_reference(q, k, v, decay_mod, feature_map, initial_state=state,
                                                 output_final_state=True, enable_gqa=Hq != Hkv)
+    tol = 2e-5 if dtype == torch.float32 else 4e-2
+    _close(out, ref, tol, f"{case} out")
+    _close(final, ref_final, tol, f"{case} final state")
     ref_loss = (ref * d_out.double()).sum() + ((ref_final * d_final.double()).sum() if with_final else 0.0)
     want = torch.autograd.grad(ref_loss, leaves)
-    tol = 2e-5 if dtype == torch.float32 else 4e-2
     for name, a, b, leaf in zip(["dq", "dk", "dv", "d" + kind, "d_state"], got, want, leaves):
         assert a.dtype == leaf.dtype and a.shape == leaf.shape, name
         _close(a, b, tol, f"{case} {name}")
+    return parts
+
+
+# The GPU's kind of tiles, small: key- and value-dim slices in the state and output kernels
+# (the output kernel's key-dim loop), and a backward chunk (32) other than the forward's (16).
+SLICED = dict(state_dk=16, state_dv=16, state_warps=4, state_stages=1, output_dk=16, output_dv=16,
+              output_warps=4, output_stages=1, grad_chunk=32, grad_dv=16, grad_warps=4, grad_stages=1,
+              grad_dg_dv=16, grad_dg_warps=4, grad_dg_stages=1)
+
+
+@pytest.mark.parametrize("case,prefix", [("gates_elu_state_gqa", True), ("learned_slopes", True),
+                                         ("gates_elu_state_gqa", False)])
+def test_sliced_tiles_and_decay_forms(case, prefix, monkeypatch):
+    """The tiles a GPU runs (through LINEAR_CPU_TILES) and the three ways the kernels get the
+    decay's running sums: a per-token decay from the prefix kernel (or, LINEAR_PREFIX off,
+    scanned in every kernel), a per-head decay in closed form."""
+    from flexgen.runtime import plan_linear
+    monkeypatch.setattr(plan_linear, "LINEAR_CPU_TILES", SLICED)
+    monkeypatch.setattr(plan_linear, "LINEAR_CHUNK", 16)
+    monkeypatch.setattr(plan_linear, "LINEAR_PREFIX", prefix)
+    plan_linear._LINEAR.clear()
+    try:
+        parts = _check_gradients(*BACKWARD[case][:-1], None, case=case)
+    finally:
+        plan_linear._LINEAR.clear()
+    assert ("prefix" in parts) == (prefix and BACKWARD[case][7] == "tokens")
+    specs = [spec for spec, _, _ in flexgen.runtime.launch.RECORDED if getattr(spec, "part", None)]
+    forms = {spec.decay_form for spec in specs if spec.part in ("state", "output", "grad")}
+    assert forms == {"prefix" if prefix else "traced"} if BACKWARD[case][7] == "tokens" else {"head"}
+    chunks = {(spec.part, spec.block_m) for spec in specs if spec.part in ("output", "grad")}
+    assert chunks == {("output", 16), ("grad", 32)}
+    assert {spec.block_k for spec in specs if spec.part in ("state", "output")} == {16}
 
 
 def test_only_value_requires_grad_and_no_state_gradient():
@@ -291,6 +329,7 @@ SNAPSHOTS = {
     "output_plain": ("output", None, None),
     "grad_gates_elu": ("grad", gated(GATES), elu1),
     "gates_per_token": ("gates", gated(GATES), None),
+    "prefix_gates": ("prefix", gated(GATES), None),
     "decode_gates_elu": ("decode", gated(GATES), elu1),
 }
 

@@ -298,6 +298,21 @@ def test_smaller_tiles_keep_dividing_the_sparse_blocks():
     assert tuning.smaller(KernelSpec("decode", block_m=16, block_n=64, num_stages=3)) is None
 
 
+def test_smaller_linear_keeps_the_chunk():
+    """Linear attention's kernels step down stages, then the key slice, then the value slice."""
+    from flexgen.kernels.linear import linear_spec
+    spec = linear_spec("linear", part="output", block_m=128, block_n=32, block_k=0, qk_head=64, v_head=32,
+                       num_stages=3)
+    steps = []
+    while spec is not None:
+        steps.append((spec.block_m, spec.block_k, spec.block_n, spec.num_stages))
+        spec = tuning.smaller(spec)
+    assert steps == [(128, 0, 32, 3), (128, 0, 32, 2), (128, 32, 32, 2), (128, 16, 32, 2), (128, 16, 16, 2),
+                     (128, 16, 16, 1)]
+    assert tuning.smaller(linear_spec("linear", part="grad", block_m=64, block_n=64, num_stages=1)).block_n == 32
+    assert tuning.smaller(linear_spec("linear", part="gates", block_m=64, num_stages=3)) is None
+
+
 def test_transcendental_score_mods_use_their_own_row(monkeypatch):
     from flexgen.frontend.lowering import lower
     from flexgen.frontend.trace import trace_cached

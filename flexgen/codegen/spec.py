@@ -27,11 +27,12 @@ from .snippet import Snippet
 # tile macros of common.py.jinja; the dQ kernel's dO and out loads spell out their mask
 # instead of sharing a v_mask variable. forward 6: varlen's full tiles without bounds checks;
 # forward_gluon 2: its varlen form; 3: the Gluon helpers moved into common.py.jinja
-# macros shared with backward_gluon; 4: the sigmoid activation, its softmax source unchanged.)
+# macros shared with backward_gluon; 4: the sigmoid activation, its softmax source unchanged.
+# linear 4: key-dim slices (state, output), the prefix kernel and the decay forms.)
 SIGMOID_REVISION = 4
 TEMPLATE_VERSIONS = {"forward": 6, "forward_gluon": 4, "backward_gluon": 2, "block_mask": 3,
                      "decode": 3, "decode_merge": 1, "paged_write": 2,
-                     "backward": 8, "linear": 3, "linear_decode": 1}
+                     "backward": 8, "linear": 4, "linear_decode": 1}
 
 
 def pad_head_dim(d: int) -> int:

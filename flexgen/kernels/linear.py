@@ -8,11 +8,15 @@
 **Chunked forward** (``templates/linear.py.jinja``), chunks of C positions, G the running
 sum of g inside a chunk (inclusive), g_c its total, S_in[c] the state entering chunk c:
 
+0. ``prefix`` (a decay_mod that reads t): G of every chunk, written once [B, H, T] float32, so
+   that no kernel scans g on its own (the state kernel would, on its serial path, once per
+   chunk). A decay_mod that does not read t needs none: G_i = (i + 1) g in closed form;
 1. ``state``: S_in[0] = S_0, S_in[c+1] = exp(g_c) S_in[c] + U[c] with
-   U[c] = Σ_j exp(g_c - G_j) φ(k_j)ᵀ v_j: one program per (batch, head, value slice) walks the
-   chunks with its state tile in registers and writes each S_in[c] once, in the inputs' dtype
-   (what the output kernel multiplies in). A chunk's U is one small dot whose loads run ahead
-   of the serial chain; no [chunks, Dk, Dv] float32 buffer of U is written, scanned and reread;
+   U[c] = Σ_j exp(g_c - G_j) φ(k_j)ᵀ v_j: one program per (batch, head, key slice, value
+   slice) walks the chunks with its state tile in registers and writes each S_in[c] once, in
+   the inputs' dtype (what the output kernel multiplies in). A chunk's U is one small dot whose
+   loads run ahead of the serial chain; no [chunks, Dk, Dv] float32 buffer of U is written,
+   scanned and reread;
 2. ``output``: o_i = scale (exp(G_i) φ(q_i) S_in[c] + Σ_{j<=i} exp(G_i - G_j)(φ(q_i)·φ(k_j)) v_j),
    every chunk in parallel (the lightning attention split: inter-chunk through the state,
    intra-chunk quadratic in C). O(T·C) work per head, not O(T²).
@@ -30,15 +34,17 @@ step-by-step float64 oracle. With dS_out[c] the gradient of the state leaving ch
 - the decay: dG_t = φ(q_t)·dφ(q_t) - φ(k_t)·dφ(k_t) (every term of the output and of the
   states depends on G through exp(G_i - G_j), exp(G_i) or exp(g_c - G_j)), and since
   G_t = Σ_{u <= t} g_u over the whole sequence, dg_u = Σ_{t >= u} dG_t + <S_T, dS_T> (a
-  reverse running sum on the host; the last term because every g scales the final
-  state). ``gates`` scatters dg · ∂g/∂load into the decay_mod's captured tensors.
+  reverse running sum: ``grad`` writes dG with positions reversed, so one cumsum on the host
+  makes it; the last term because every g scales the final state). ``gates`` scatters
+  dg · ∂g/∂load into the decay_mod's captured tensors.
 
-The states are recomputed in the backward, never saved. With GQA the state and the mods'
-``h`` belong to the query head; dK / dV are computed per query head and summed over the
-group. **Decode** (``templates/linear_decode.py.jinja``): a few positions from a given
-state, one step at a time, the state tile in registers — from ``initial_state``
-(``linear_attention`` with T <= 16) or from / into a cache of states in place
-(``linear_attention_decode``).
+The states are recomputed in the backward, never saved, at the backward's own chunk size
+(``LinearBackward.chunk``: the grad kernel's tiles want smaller chunks than the forward's).
+With GQA the state and the mods' ``h`` belong to the query head; dK / dV are computed per
+query head and summed over the group. **Decode** (``templates/linear_decode.py.jinja``): a
+few positions from a given state, one step at a time, the state tile in registers — from
+``initial_state`` (``linear_attention`` with T <= 16) or from / into a cache of states in
+place (``linear_attention_decode``).
 """
 from __future__ import annotations
 
@@ -54,8 +60,14 @@ from ..runtime.poison import poison
 @dataclass(frozen=True)
 class LinearSpec(KernelSpec):
     """A ``KernelSpec`` for one part of the linear templates. block_m is the chunk size
-    (BLOCK_T), block_n the value-dim slice (BLOCK_DV)."""
+    (BLOCK_T), block_n the value-dim slice (BLOCK_DV), block_k the key-dim slice (BLOCK_DK) of
+    the state and output kernels (0: the whole padded head dim)."""
     part: str = "output"
+    block_k: int = 0
+    # How the chunked kernels get G, the running sums of g within a chunk: "traced" (the
+    # decay_mod at every position, then a scan), "head" (the decay_mod does not read t: closed
+    # form) or "prefix" (read from the prefix kernel's buffer). See templates/linear.py.jinja.
+    decay_form: str = "traced"
     decay: object = None                # Snippet of g = decay_mod(b, h, t), or None (g = 0)
     feature: object = None              # Snippet of φ(x), or None (identity)
     feature_grad: str | None = None     # code of φ'(x) after the feature's lines (grad part)
@@ -93,39 +105,52 @@ class LinearPlan:
     dtype: torch.dtype
     device: torch.device
     scale: float
-    chunk: int                   # positions per chunk (BLOCK_T)
-    grad_dv: int                 # the grad kernel's value-dim slice
+    chunk: int                   # positions per chunk (BLOCK_T) of the forward
     decay_traced: object         # TracedMod or None
     feature_traced: object       # TracedMod or None
     state: LinearSpec | None = None
     output: LinearSpec | None = None
+    prefix: LinearSpec | None = None   # decay_form "prefix": the kernel writing G
     decode: LinearSpec | None = None
     common: dict = field(default_factory=dict, repr=False)    # spec fields every part shares
+    tiles: dict = field(default_factory=dict, repr=False)     # plan_linear._linear_tiles
     backward: dict = field(default_factory=dict, repr=False)  # grad slots -> LinearBackward
 
-    @property
-    def num_chunks(self) -> int:
-        return -(-self.T // self.chunk)
 
 
 @dataclass(frozen=True)
 class LinearBackward:
-    """The backward's kernels of a planned call (the forward's state kernel too)."""
+    """The backward's kernels of a planned call (the states recomputed at its chunk size)."""
     grad: LinearSpec
     gates: LinearSpec | None     # None: no captured tensor of the decay_mod gets a gradient
     grad_slots: tuple
+    state: LinearSpec            # the state kernel at ``chunk`` (forward and REVERSE)
+    prefix: LinearSpec | None    # the prefix kernel at ``chunk`` (decay_form "prefix")
+    chunk: int
 
 
 # ---------------------------------------------------------------------------------- running
 
-def _states(plan: LinearPlan, x, y, decay_buffers, feature_buffers, *, reverse: bool, init, final):
-    """The ``state`` kernel: per-chunk states [B, Hq, chunks, Dk, Dv] in the inputs' dtype (S_in,
-    or with ``reverse`` dS_out); ``final`` (float32 or None) gets the state after the last one."""
-    states = torch.empty(plan.B, plan.Hq, plan.num_chunks, plan.Dk, plan.Dv, dtype=plan.dtype,
-                         device=x.device)
+def _prefix(plan: LinearPlan, spec: LinearSpec | None, device, decay_buffers):
+    """G [B, Hq, T] float32, the running sums of g within each chunk (the ``prefix`` kernel
+    ``spec``), or None where the kernels compute G themselves."""
+    if spec is None:
+        return None
+    gcum = torch.empty(plan.B, plan.Hq, plan.T, dtype=torch.float32, device=device)
+    poison(gcum)
+    launch.run(spec, device, dict(gcum=gcum, decay_buffers=decay_buffers))
+    return gcum
+
+
+def _states(plan: LinearPlan, spec: LinearSpec, x, y, gcum, decay_buffers, feature_buffers, *,
+            reverse: bool, init, final):
+    """The ``state`` kernel ``spec``: per-chunk states [B, Hq, chunks, Dk, Dv] in the inputs' dtype
+    (S_in, or with ``reverse`` dS_out); ``final`` (float32 or None) gets the state after the last one."""
+    chunks = -(-plan.T // spec.block_m)
+    states = torch.empty(plan.B, plan.Hq, chunks, plan.Dk, plan.Dv, dtype=plan.dtype, device=x.device)
     poison(states)
-    launch.run(plan.state, x.device, dict(
-        x=x, y=y, states=states, init=init, final=final, decay_buffers=decay_buffers,
+    launch.run(spec, x.device, dict(
+        x=x, y=y, states=states, init=init, final=final, gcum=gcum, decay_buffers=decay_buffers,
         feature_buffers=feature_buffers, scale=plan.scale, group=plan.Hq // plan.Hkv, reverse=reverse))
     return states
 
@@ -144,10 +169,11 @@ def run_linear(plan: LinearPlan, query, key, value, initial_state, decay_buffers
             q=query, k=key, v=value, out=out, state_in=initial_state, state_out=final, slots=None,
             decay_buffers=decay_buffers, feature_buffers=feature_buffers, scale=plan.scale))
         return out, final
-    states = _states(plan, key, value, decay_buffers, feature_buffers, reverse=False,
+    gcum = _prefix(plan, plan.prefix, device, decay_buffers)
+    states = _states(plan, plan.state, key, value, gcum, decay_buffers, feature_buffers, reverse=False,
                      init=initial_state, final=final)
     launch.run(plan.output, device, dict(
-        q=query, k=key, v=value, states=states, out=out, decay_buffers=decay_buffers,
+        q=query, k=key, v=value, states=states, out=out, gcum=gcum, decay_buffers=decay_buffers,
         feature_buffers=feature_buffers, scale=plan.scale))
     return out, final
 
@@ -177,12 +203,13 @@ def run_linear_backward(plan: LinearPlan, bw: LinearBackward, query, key, value,
     final = None
     if gates and grad_state is not None:
         final = torch.empty(B, Hq, plan.Dk, plan.Dv, dtype=torch.float32, device=device)
-    states = _states(plan, key, value, decay_buffers, feature_buffers, reverse=False,
+    gcum = _prefix(plan, bw.prefix, device, decay_buffers)
+    states = _states(plan, bw.state, key, value, gcum, decay_buffers, feature_buffers, reverse=False,
                      init=initial_state, final=final)
     d_init = torch.empty(B, Hq, plan.Dk, plan.Dv, dtype=torch.float32, device=device) \
         if needs_state else None
     poison(d_init)
-    dstates = _states(plan, query, grad_out, decay_buffers, feature_buffers, reverse=True,
+    dstates = _states(plan, bw.state, query, grad_out, gcum, decay_buffers, feature_buffers, reverse=True,
                       init=None if grad_state is None else grad_state.contiguous(), final=d_init)
     dq = torch.empty(B, Hq, T, plan.Dk, dtype=plan.dtype, device=device)
     # dK / dV per query head: a GQA group's heads are summed below (in float32).
@@ -193,19 +220,20 @@ def run_linear_backward(plan: LinearPlan, bw: LinearBackward, query, key, value,
     poison(dq, dk, dv, dg)
     launch.run(bw.grad, device, dict(
         q=query, k=key, v=value, do=grad_out, states=states, dstates=dstates, dq=dq, dk=dk, dv=dv,
-        dg=dg, decay_buffers=decay_buffers, feature_buffers=feature_buffers, scale=plan.scale))
+        dg=dg, gcum=gcum, decay_buffers=decay_buffers, feature_buffers=feature_buffers, scale=plan.scale))
     if group > 1:
         dk = dk.view(B, plan.Hkv, group, T, plan.Dk).sum(2).to(plan.dtype)
         dv = dv.view(B, plan.Hkv, group, T, plan.Dv).sum(2).to(plan.dtype)
     grads = []
     if gates:
-        # dg_u = Σ_{t >= u} dG_t (G is the running sum of g), plus <S_T, dS_T> for every u.
-        dg = dg.flip(-1).cumsum(-1).flip(-1)
+        # dg_u = Σ_{t >= u} dG_t (G is the running sum of g), plus <S_T, dS_T> for every u:
+        # dG is stored reversed (T - 1 - t), so its running sum is dg, reversed too.
+        dg = dg.cumsum(-1)
         if final is not None:
             dg = dg + (final * grad_state.float()).sum((-1, -2))[..., None]
         grads = [torch.zeros(decay_buffers[i].shape, dtype=torch.float32, device=device)
                  for i in bw.grad_slots]
-        launch.run(bw.gates, device, dict(dg=dg.contiguous(), decay_buffers=decay_buffers,
+        launch.run(bw.gates, device, dict(dg=dg, decay_buffers=decay_buffers,
                                           grad_buffers=grads))
         grads = [g.to(decay_buffers[i].dtype) for g, i in zip(grads, bw.grad_slots)]
     return dq, dk, dv, d_init, grads

@@ -714,5 +714,4 @@ __all__ = ["AttentionPlan", "DecodePlan", "Mask", "plan_attention", "plan_backwa
 # Linear attention's planning (re-exported). Imported last: it uses this module's memo helpers,
 # so whichever of the two is imported first, the other finds them defined.
 from .plan_linear import (  # noqa: E402, F401
-    LINEAR_CHUNK, LINEAR_OUTPUT_DV, LINEAR_OUTPUT_WARPS, LINEAR_STATE_DV, LINEAR_STATE_STAGES,
-    LINEAR_STATE_WARPS, _LINEAR, check_linear, plan_linear, plan_linear_backward, plan_linear_decode)
+    LINEAR_CHUNK, LINEAR_GPU_TILES, _LINEAR, check_linear, plan_linear, plan_linear_backward, plan_linear_decode)

@@ -16,44 +16,66 @@ from .plan_checks import check_captured, check_same_kind
 
 # ---------------------------------------------------------------------------------- linear attention
 
-LINEAR_STATE_DV = 16            # the state kernel's value-dim slice on a GPU (measured on the H100:
-                                # 16 beat 32 and 64 at B=1, H=16, D=128 -- more programs),
-LINEAR_STATE_WARPS = 4          # its warps (a [Dk, 16] float32 state tile needs few),
-LINEAR_STATE_STAGES = 3         # and its pipeline depth (the next chunks' loads run ahead)
-LINEAR_OUTPUT_DV = 64           # the output kernel's value-dim slice on a GPU, and its warps
-LINEAR_OUTPUT_WARPS = 4         # (H100, D=128: 64 / 4 warps 0.407 ms, 128 / 8 warps 0.453 ms)
-LINEAR_CHUNK = 64                # positions per chunk of the chunked kernels (kernel_options BLOCK_M)
+# The chunked kernels' tiles on a GPU, by kernel (dk / dv: the key / value head-dim slice of a
+# program, 0 the whole padded head dim; warps; stages), measured on the H100 at B=1, H=16,
+# T=16k, D=128, bf16 (benchmarks/NOTES.md, "Linear attention: per kernel, against fla"):
+# - state: one program per (batch, head, key slice, value slice) walks every chunk with the next
+#   chunks' loads in flight; a [64, 32] tile gives 128 programs, each rereading its key slice 4
+#   times and its value slice twice (0.100 ms at chunk 128 / 4 stages, 0.183 at [128, 16] / 64 / 3);
+# - output: every chunk in parallel, the whole value dim per program (φ(Q) φ(K)ᵀ once per chunk),
+#   the key dim in two pipelined steps (0.150 ms; 0.197 at [128, 64] / 4 warps);
+# - grad: one program per chunk, the value dim in grad_dv slices inside it, at chunk 64 (128
+#   spills or runs out of shared memory): the backward recomputes the states at that size. Where
+#   it also writes dG (gates that get gradients) it keeps more accumulators live: 8 warps and
+#   64-wide slices there (0.356 ms; 0.483 at 4 warps), 4 and 32 without (0.281; 0.325 at 8 / 64).
+LINEAR_CHUNK = 128                # the forward's positions per chunk (kernel_options BLOCK_M sets every chunk)
+LINEAR_GPU_TILES = dict(
+    state_dk=64, state_dv=32, state_warps=4, state_stages=4,
+    output_dk=64, output_dv=128, output_warps=8, output_stages=3,
+    grad_chunk=64, grad_dv=32, grad_warps=4, grad_stages=3,
+    grad_dg_dv=64, grad_dg_warps=8, grad_dg_stages=3,
+)
+# The interpreter's cost is per operation: whole tiles there (None), unless a test sets a
+# table like LINEAR_GPU_TILES to run the sliced kernels' code paths.
+LINEAR_CPU_TILES: dict | None = None
+LINEAR_PREFIX = True              # per-token decays: G from the prefix kernel (not a scan per chunk)
 _LINEAR: dict = {}
 
 
 def _linear_tiles(options: KernelOptions, device, Dk: int, Dv: int, rows: int = 1) -> dict:
-    """Chunk size, value-dim slices (state, output, grad, decode), warps and stages of the linear
-    kernels; ``rows`` = batch x query heads (the decode kernel's programs per value slice)."""
+    """Chunk sizes, head-dim slices, warps and stages of the linear kernels (state, output,
+    grad, decode); ``rows`` = batch x query heads (the decode kernel's programs per value
+    slice). kernel_options override: BLOCK_M every chunk, BLOCK_N every value slice,
+    num_warps / num_stages every kernel's."""
     from ..codegen.spec import pad_head_dim
     gpu = device.type == "cuda"
-    chunk = options.BLOCK_M or LINEAR_CHUNK
-    v_pad = pad_head_dim(Dv)
-    # The interpreter's cost is per operation: whole tiles there.
-    block_dv = options.BLOCK_N or (min(64, v_pad) if gpu else v_pad)
-    # The state kernel is one program per (batch, head, value slice) walking every chunk: thin
-    # slices give the GPU more programs (16 heads x 128 / 16 = 128). The output kernel's slice
-    # (64) computes φ(Q) φ(K)ᵀ of a chunk once per slice; smaller tiles measured faster.
-    state_dv = options.BLOCK_N or (min(LINEAR_STATE_DV, v_pad) if gpu else v_pad)
-    output_dv = options.BLOCK_N or (min(LINEAR_OUTPUT_DV, v_pad) if gpu else v_pad)
-    for name, v in (("BLOCK_M", chunk), ("BLOCK_N", block_dv)):
-        if v < 16 or v & (v - 1):
+    k_pad, v_pad = pad_head_dim(Dk), pad_head_dim(Dv)
+    for name, v in (("BLOCK_M", options.BLOCK_M), ("BLOCK_N", options.BLOCK_N)):
+        if v is not None and (v < 16 or v & (v - 1)):
             raise expected(f"kernel_options[{name!r}]", "a power of two >= 16 ("
                            + ("the chunk size" if name == "BLOCK_M" else "the value-dim slice") + ")",
                            v, "use 64 (or 16 / 32 / 128)")
-    warps = options.num_warps or (8 if gpu and max(Dk, Dv) > 64 else 4)
-    stages = options.num_stages or (2 if gpu else 1)
+    table = LINEAR_GPU_TILES if gpu else LINEAR_CPU_TILES
+    whole = dict(state_dk=0, state_dv=v_pad, state_warps=4, state_stages=1, output_dk=0, output_dv=v_pad,
+                 output_warps=4, output_stages=1, grad_chunk=LINEAR_CHUNK, grad_dv=v_pad, grad_warps=4,
+                 grad_stages=1, grad_dg_dv=v_pad, grad_dg_warps=4, grad_dg_stages=1)
+    table = whole if table is None else table
+    t = {}
+    for part in ("state", "output", "grad", "grad_dg"):
+        dk = table[f"{part}_dk"] if part in ("state", "output") else 0
+        t[f"{part}_dk"] = 0 if not dk or dk >= k_pad else dk
+        t[f"{part}_dv"] = min(options.BLOCK_N or table[f"{part}_dv"], v_pad)
+        warps = table[f"{part}_warps"]
+        if part.startswith("grad") and max(Dk, Dv) <= 64:
+            warps = min(warps, 4)   # its [chunk, Dk] float32 accumulators need 8 only for wide heads
+        t[f"{part}_warps"] = options.num_warps or warps
+        t[f"{part}_stages"] = options.num_stages or table[f"{part}_stages"]
+    t["chunk"] = options.BLOCK_M or LINEAR_CHUNK
+    t["grad_chunk"] = options.BLOCK_M or table["grad_chunk"]
     decode_dv = options.BLOCK_N or (_decode_dv(device, rows, v_pad) if gpu else v_pad)
-    return dict(chunk=chunk, block_dv=min(block_dv, v_pad), state_dv=min(state_dv, v_pad),
-                output_dv=min(output_dv, v_pad), warps=warps, stages=stages,
-                output_warps=options.num_warps or (LINEAR_OUTPUT_WARPS if gpu else 4),
-                state_warps=options.num_warps or (LINEAR_STATE_WARPS if gpu else 4),
-                state_stages=options.num_stages or (LINEAR_STATE_STAGES if gpu else 1),
-                decode_dv=decode_dv, decode_warps=options.num_warps or (4 if decode_dv <= 16 else warps))
+    warps = options.num_warps or (8 if gpu and max(Dk, Dv) > 64 else 4)
+    t.update(decode_dv=decode_dv, decode_warps=options.num_warps or (4 if decode_dv <= 16 else warps))
+    return t
 
 
 def _decode_dv(device, rows: int, v_pad: int) -> int:
@@ -146,23 +168,50 @@ def _plan_linear(query, key, value, initial_state, decay_mod, decay_buffers, fea
     decay, feature = _lowered_linear(decay_mod, decay_buffers, feature_map, feature_buffers, device)
     t = _linear_tiles(opts, device, Dk, Dv, rows=B * Hq)
     common = dict(decay=None if decay is None else lower(decay).snippet,
+                  decay_form=_decay_form(decay),
                   feature=None if feature is None else lower(feature).snippet,
                   decay_buffers=() if decay is None else lower(decay).buffers,
                   feature_buffers=() if feature is None else lower(feature).buffers,
-                  qk_head=Dk, v_head=Dv, dtype=DTYPES[dtype], dot_precision=dot_precision(query),
-                  num_warps=t["warps"], num_stages=t["stages"])
+                  qk_head=Dk, v_head=Dv, dtype=DTYPES[dtype], dot_precision=dot_precision(query))
     decode = opts.BACKEND == "TRITON_DECODE" or (
         opts.BACKEND in ("AUTO", "tl") and initial_state is not None and T <= MAX_DECODE_QUERIES)
     plan = LinearPlan("decode" if decode or state_rows is not None else "chunked", B, Hq, Hkv, T, Dk, Dv,
-                      dtype, device, scale, t["chunk"], t["block_dv"], decay, feature, common=common)
-    plan.decode = linear_spec("linear_decode", part="decode",
-                              **dict(common, num_stages=1, num_warps=t["decode_warps"]), block_n=t["decode_dv"])
+                      dtype, device, scale, t["chunk"], decay, feature, common=common, tiles=t)
+    plan.decode = linear_spec("linear_decode", part="decode", block_n=t["decode_dv"],
+                              **dict(common, num_stages=1, num_warps=t["decode_warps"]))
     if state_rows is None:
-        plan.state = linear_spec("linear", part="state", block_m=t["chunk"], block_n=t["state_dv"],
-                                 **dict(common, num_warps=t["state_warps"], num_stages=t["state_stages"]))
+        plan.state, plan.prefix = _state_specs(common, t, t["chunk"])
         plan.output = linear_spec("linear", part="output", block_m=t["chunk"], block_n=t["output_dv"],
-                                  **dict(common, num_warps=t["output_warps"]))
+                                  block_k=t["output_dk"], num_warps=t["output_warps"],
+                                  num_stages=t["output_stages"], **common)
     return plan
+
+
+def _state_specs(common: dict, t: dict, chunk: int):
+    """The state kernel's spec at ``chunk`` positions per chunk, and the prefix kernel's (None
+    unless the decay_form is "prefix")."""
+    from ..kernels.linear import linear_spec
+    state = linear_spec("linear", part="state", block_m=chunk, block_n=t["state_dv"], block_k=t["state_dk"],
+                        num_warps=t["state_warps"], num_stages=t["state_stages"], **common)
+    prefix = None
+    if common["decay_form"] == "prefix":
+        prefix = linear_spec("linear", part="prefix", block_m=chunk, decay=common["decay"],
+                             decay_buffers=common["decay_buffers"], decay_form="prefix",
+                             qk_head=common["qk_head"], v_head=common["v_head"], dtype=common["dtype"],
+                             num_warps=4)
+    return state, prefix
+
+
+def _decay_form(decay) -> str:
+    """How the chunked kernels get G (``LinearSpec.decay_form``): in closed form where the
+    decay_mod does not read t (one g per batch row and head), else from the prefix kernel (the
+    scan off the state kernel's serial path), or traced in every kernel (LINEAR_PREFIX off)."""
+    if decay is None:
+        return "traced"
+    free = lower(decay).snippet.free
+    if free is not None and "t" not in free:
+        return "head"
+    return "prefix" if LINEAR_PREFIX else "traced"
 
 
 def plan_linear_decode(query, key, value, state, decay_mod: str, decay_buffers, feature_map: str,
@@ -190,18 +239,21 @@ def plan_linear_backward(plan, grad_slots: tuple):
                                 "gradients. Fix: pass them .detach()-ed (or fold a learned scale "
                                 "into the query and key projections)")
         snippet, grad = feature_code(feature, with_grad=True)
-        common = dict(plan.common, feature=snippet, feature_grad=grad)
-        t = dict(block_m=plan.state.block_m, block_n=plan.grad_dv)
+        t, chunk = plan.tiles, plan.tiles["grad_chunk"]
         gates = None
         if grad_slots:
             lowered = decay_grad(plan.decay_traced, grad_slots)
-            gates = linear_spec("linear", part="gates", block_m=plan.state.block_m,
+            gates = linear_spec("linear", part="gates", block_m=chunk,
                                 decay_buffers=plan.common["decay_buffers"],
                                 decay_grad_lines=lowered.lines, scatters=lowered.scatters,
                                 grad_buffers=lowered.grad_buffers, qk_head=plan.Dk, v_head=plan.Dv,
                                 dtype=plan.common["dtype"], num_warps=4)
-        hit = plan.backward[grad_slots] = LinearBackward(
-            linear_spec("linear", part="grad", **t, **common), gates, grad_slots)
+        g = "grad_dg" if grad_slots else "grad"    # the grad kernel's tiles, with or without dG
+        grad = linear_spec("linear", part="grad", block_m=chunk, block_n=t[f"{g}_dv"], num_warps=t[f"{g}_warps"],
+                           num_stages=t[f"{g}_stages"], **dict(plan.common, feature=snippet, feature_grad=grad))
+        # The states again, at the grad kernel's chunk size (the forward's may differ).
+        state, prefix = _state_specs(plan.common, t, chunk)
+        hit = plan.backward[grad_slots] = LinearBackward(grad, gates, grad_slots, state, prefix, chunk)
     return hit
 
 

@@ -279,8 +279,11 @@ def smaller(spec: KernelSpec) -> KernelSpec | None:
 
     Fewer pipeline stages first (they cost least), then narrower key tiles,
     then fewer query rows. Only forward and backward kernels: their tiles are
-    free as long as they divide the sparse blocks, which halving keeps.
+    free as long as they divide the sparse blocks, which halving keeps (and
+    linear attention's, ``_smaller_linear``).
     """
+    if spec.template == "linear":
+        return _smaller_linear(spec)
     if spec.template not in ("forward", "backward"):
         return None
     if spec.num_stages > 2:
@@ -289,6 +292,25 @@ def smaller(spec: KernelSpec) -> KernelSpec | None:
         return dataclasses.replace(spec, block_n=spec.block_n // 2)
     if spec.block_m > 32:
         return dataclasses.replace(spec, block_m=spec.block_m // 2, num_warps=min(spec.num_warps, 4))
+    if spec.num_stages > 1:
+        return dataclasses.replace(spec, num_stages=1)
+    return None
+
+
+def _smaller_linear(spec: KernelSpec) -> KernelSpec | None:
+    """Linear attention's state, output and grad kernels (fp32 inputs or a 256 head dim can
+    overflow the shared memory of tiles measured on bf16 and D=128): fewer stages, then a
+    narrower key slice (state, output), then a narrower value slice. Never the chunk: the
+    kernels of one call must agree on it."""
+    from ..codegen.spec import pad_head_dim
+    if spec.part not in ("state", "output", "grad"):
+        return None
+    if spec.num_stages > 2:
+        return dataclasses.replace(spec, num_stages=spec.num_stages - 1)
+    if spec.part != "grad" and (spec.block_k or pad_head_dim(spec.qk_head)) > 16:
+        return dataclasses.replace(spec, block_k=(spec.block_k or pad_head_dim(spec.qk_head)) // 2)
+    if spec.block_n > 16:
+        return dataclasses.replace(spec, block_n=spec.block_n // 2)
     if spec.num_stages > 1:
         return dataclasses.replace(spec, num_stages=1)
     return None
