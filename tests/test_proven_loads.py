@@ -295,7 +295,7 @@ def _varlen_case(q, k, v, q_lens, k_lens, size, proven_here, device):
 
 def test_varlen_plan_proves_over_sequences_not_the_packed_view():
     """The packed view has b = 0 and positions up to the totals; the mods see b = the sequence
-    and positions inside it."""
+    (checked exactly on the host, as torch's padded call would) and positions inside it."""
     from flexgen.runtime.plan import plan_varlen
     from flexgen.frontend.trace import trace_cached
     q_lens, k_lens = [33, 1, 18], [40, 1, 18]
@@ -306,6 +306,13 @@ def test_varlen_plan_proves_over_sequences_not_the_packed_view():
         return plan_varlen(q, k, v, offsets(q_lens), offsets(k_lens), traced.graph, traced.buffers,
                            "", (), 0.25, False, "")
 
+    one_row = torch.zeros(1)
+
+    def first_row(score, b, h, q_idx, kv_idx):
+        return score + one_row[b]
+
+    with pytest.raises(IndexBoundsError, match="from 0 to 2"):
+        planned(first_row)
     three = torch.zeros(3)
 
     def per_sequence(score, b, h, q_idx, kv_idx):

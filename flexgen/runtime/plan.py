@@ -182,7 +182,8 @@ def plan_attention(query, key, value, score_mod: str, score_buffers, mask_mod: s
     writes it; the decode kernel does not, so such calls take the forward kernel).
     ``positions``: where the kernels' mods see other positions than the call's shapes give
     (varlen's packed sequences), (b, h, q_idx, kv_idx) ranges holding all of them, for the
-    proof of loads (``bounds_check.proven_loads``).
+    proof of loads (``bounds_check.proven_loads``); the host's index check takes b's and h's
+    from it (exact) and q_idx's and kv_idx's from the shapes, as before.
     """
     memo = (_key(query, key, value), score_mod, _key(*score_buffers), mask_mod, _key(*mask_buffers),
             _key(*block_lists[:2]), tuple(block_size), tuple(mask_lengths), scale, enable_gqa, options,
@@ -216,8 +217,8 @@ def _plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_
         # (imported here: sympy, which a warm restart of mods without tensors never loads);
         # loads the same bounds prove inside their tensors are read without checks.
         from ..frontend.bounds_check import check_call_indices, proven_loads
-        check_call_indices(score_traced, mask_traced, B, Hq, Lq, Lkv)
         ranges = positions or (B, Hq, Lq, Lkv)
+        check_call_indices(score_traced, mask_traced, *ranges[:2], Lq, Lkv)
         proven = (proven_loads(score_traced, *ranges),
                   proven_loads(None if mask is None or mask.is_true else mask_traced, *ranges))
     if info is not None and mask_traced is None:
