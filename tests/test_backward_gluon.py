@@ -33,7 +33,8 @@ import conftest
 from conftest import make_qkv
 
 # The Gluon forward's tests' switches and mods (as_if_hopper: plan Gluon kernels for CPU tensors).
-from test_forward_gluon import GLUON, alibi_bias, as_if_hopper, doc_mask, needs_hopper  # noqa: E402,F401
+from test_forward_gluon import (GLUON, alibi_bias, as_if_hopper, doc_mask, needs_hopper,  # noqa: E402,F401
+                                relative_bias)
 
 
 def backward_plan(q, k, v, score=None, bm=None, options=GLUON):
@@ -110,14 +111,17 @@ CASES = {
     "learned_bias_causal_d64_m128": (64, torch.float16, 4, 2, 300, 300, "learned", M.causal_mask, 128,
                                      {"BLOCK_M1": 128}),
     "causal_d128_m128": (128, torch.bfloat16, 2, 2, 256, 256, None, M.causal_mask, 128, {"BLOCK_M1": 128}),
+    # A learned relative-position table exactly the size the call needs: proven loads at
+    # clamped positions in both kernels.
+    "relbias_causal_gqa_d64": (64, torch.bfloat16, 4, 2, 300, 333, "relbias", M.causal_mask, 128, {}),
 }
 
 
 def case_inputs(name, device="cpu"):
     D, dtype, H, Hkv, Lq, Lkv, score, mask, block, options = CASES[name]
     q, k, v = make_qkv(B=2, H=H, Hkv=Hkv, L=Lq, Lkv=Lkv, D=D, dtype=dtype, device=device)
-    score = {"alibi": lambda: alibi_bias(H, device), "learned": lambda: learned_bias(device)}.get(
-        score, lambda: score)()
+    score = {"alibi": lambda: alibi_bias(H, device), "learned": lambda: learned_bias(device),
+             "relbias": lambda: relative_bias(H, Lq, Lkv, device)}.get(score, lambda: score)()
     mask = doc_mask(max(Lq, Lkv), device) if mask == "doc" else mask
     bm = None if mask is None else create_block_mask(mask, None, None, Lq, Lkv, device=device,
                                                      BLOCK_SIZE=block)

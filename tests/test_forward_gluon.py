@@ -190,6 +190,9 @@ CASES = {
                                  M.sliding_window(100), (128, 64)),
     # Mods constant along the keys: their results are columns, broadcast to the score tile.
     "row_only_mods_d64": (64, torch.float16, 2, 2, 300, 300, "row_bias", "first_rows", 128),
+    # A relative-position table exactly the size the call needs: proven loads at clamped
+    # positions (bounds_check.proven_loads), ragged tails at both ends.
+    "relbias_causal_gqa_d64": (64, torch.bfloat16, 4, 2, 300, 333, "relbias", M.causal_mask, 128),
 }
 
 
@@ -201,10 +204,19 @@ def first_rows(b, h, q_idx, kv_idx):
     return q_idx < 250
 
 
+def relative_bias(H, Lq, Lkv, device="cpu"):
+    table = torch.linspace(-1.0, 1.0, H * (Lq + Lkv - 1), device=device).reshape(H, -1).sin()
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + Lkv - 1]
+    return score_mod
+
+
 def case_inputs(name, device="cpu"):
     D, dtype, H, Hkv, Lq, Lkv, score, mask, block = CASES[name]
     q, k, v = make_qkv(B=2, H=H, Hkv=Hkv, L=Lq, Lkv=Lkv, D=D, dtype=dtype, device=device)
     score = alibi_bias(H, device) if score == "alibi" else row_bias if score == "row_bias" else score
+    score = relative_bias(H, Lq, Lkv, device) if score == "relbias" else score
     mask = first_rows if mask == "first_rows" else mask
     mask = doc_mask(max(Lq, Lkv), device) if mask == "doc" else mask
     bm = None if mask is None else create_block_mask(mask, None, None, Lq, Lkv, device=device,

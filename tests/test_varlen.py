@@ -183,12 +183,26 @@ GLUON_CASES = {
     "causal_d128": (4, 4, 128, [5, 0, 1, 300, 130, 128, 77], None, None, causal),
     "plain_gqa_d64": (4, 2, 64, [129, 0, 64, 257], None, None, None),
     "window_chunked_d128": (2, 1, 128, [40, 3, 200, 0], [300, 3, 450, 9], chunked_softcap, window),
+    # A relative-position table over the packed totals: proven loads (bounds_check.proven_loads).
+    "relbias_window_d64": (2, 1, 64, [40, 3, 200, 0], [300, 3, 450, 9], "relbias", window),
 }
+
+
+def relative_bias(H, positions, device):
+    """score + table[h, q_idx - kv_idx + positions - 1], the table covering positions below
+    ``positions`` (the packed totals, what the host can prove the reads against)."""
+    table = torch.linspace(-1.0, 1.0, H * (2 * positions - 1), device=device).reshape(H, -1).sin()
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + positions - 1]
+    return score_mod
 
 
 def gluon_case(name, device):
     Hq, Hkv, D, q_lens, k_lens, score, mask = GLUON_CASES[name]
     k_lens = k_lens or q_lens
+    if score == "relbias":
+        score = relative_bias(Hq, max(sum(q_lens), sum(k_lens)), device)
     gen = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(sum(n), h, D, generator=gen).to(device, torch.bfloat16)
                for n, h in ((q_lens, Hq), (k_lens, Hkv), (k_lens, Hkv)))

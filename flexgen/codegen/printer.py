@@ -56,13 +56,47 @@ def _float_literal(value) -> str:
     return repr(v)
 
 
+# The positions a proven load reads, clamped into the sequence by the kernel (templates bind
+# these names: [BLOCK_M, 1] and [1, BLOCK_N] like q_idx and kv_idx, or transposed likewise).
+CLAMPED = {SYMBOLS["q_idx"]: sympy.Symbol("q_idx_clamped", integer=True, nonnegative=True),
+           SYMBOLS["kv_idx"]: sympy.Symbol("kv_idx_clamped", integer=True, nonnegative=True)}
+
+
+def clamp_proven(exprs, proven) -> tuple:
+    """(``exprs`` with each load named in ``proven`` reading clamped positions, those loads).
+
+    ``proven``: the printed forms (``str``) of loads the host proved in bounds for every
+    position of a call (``flexgen.frontend.bounds_check.proven_loads``). Rewritten before
+    common subexpressions are found, so the clamped indices share temporaries among
+    themselves and the unclamped ones are computed only where something else reads them.
+    """
+    if not proven or debug.DEBUG:
+        return list(exprs), frozenset()
+    loads = {f for e in exprs for f in e.atoms(sympy.Function)
+             if isinstance(type(f), UndefinedFunction) and f.args and str(f) in proven}
+    clamped = {f: f.func(*(a.xreplace(CLAMPED) for a in f.args)) for f in loads}
+    return [e.xreplace(clamped) for e in exprs], frozenset(clamped.values())
+
+
 class TritonPrinter:
-    def __init__(self, temp_prefix: str):
+    """``proven``: loads (as ``clamp_proven`` rewrote them) read without wrap or mask
+    (``_print_proven_load``)."""
+
+    def __init__(self, temp_prefix: str, proven=frozenset()):
         self.temp_prefix = temp_prefix
         self.lines: list[str] = []
         self.kinds: dict[sympy.Symbol, str] = {}
         self.names: dict[sympy.Symbol, str] = {}
         self.count = 0
+        self.proven = frozenset(proven)
+        self.full: dict = {}        # common subexpression symbol -> what it stands for
+
+    def define(self, sym, sub) -> None:
+        """Print common subexpression ``sym`` = ``sub`` as a temporary."""
+        code, kind = self.print(sub)
+        name, kind = self.temp(code, kind)
+        self.names[sym], self.kinds[sym] = name, kind
+        self.full[sym] = sub.xreplace(self.full)
 
     def temp(self, code: str, kind: str) -> tuple:
         name = f"{self.temp_prefix}{self.count}"
@@ -368,6 +402,8 @@ class TritonPrinter:
 
     def _print_load(self, e):
         name = e.func.name
+        if e.args and self.proven and e.xreplace(self.full) in self.proven:
+            return self._print_proven_load(e)
         if not e.args:
             code = f"tl.load({name}_ptr)"
         else:
@@ -385,6 +421,33 @@ class TritonPrinter:
                     f"mask={' & '.join(in_bounds)}, other=0)")
         integer = bool(e.is_integer)
         code = f"{code}.to({'tl.int32' if integer else 'tl.float32'})"
+        return self.temp(code, "int" if integer else "float")
+
+    def _print_proven_load(self, e):
+        """A load every index of which the host proved in [0, size) over the call's positions.
+
+        No wrap and no bounds mask. The indices read the clamped positions (``clamp_proven``),
+        so the padded rows and keys of a ragged tile read a real position's entry (whose
+        score is masked anyway) and never leave the tensor. The dims that read positions
+        add an int32 offset (the proof bounds their extent below 2**31); the others (b, h,
+        constants) one int64 term per tile.
+        """
+        name = e.func.name
+        base, tile = [], []
+        for d, index in enumerate(e.args):
+            if index.xreplace(self.full).free_symbols & set(CLAMPED.values()):
+                tile.append(f"{self.as_int(index)} * {name}_stride{d}")
+            elif index.is_Integer:
+                if index != 0:
+                    base.append(f"tl.full([1, 1], {int(index)}, tl.int64) * {name}_stride{d}")
+            else:
+                base.append(f"{self.as_int(index)}.to(tl.int64) * {name}_stride{d}")
+        address = f"{name}_ptr"
+        for terms in (base, tile):
+            if terms:
+                address += f" + ({' + '.join(terms)})"
+        integer = bool(e.is_integer)
+        code = f"tl.load({address}).to({'tl.int32' if integer else 'tl.float32'})"
         return self.temp(code, "int" if integer else "float")
 
     def print_address(self, e, grad_name: str) -> tuple:
@@ -407,8 +470,8 @@ class _SharedLoadPrinter(TritonPrinter):
     is an atom to it); a load is pure, so its temporary is reused.
     """
 
-    def __init__(self, temp_prefix: str):
-        super().__init__(temp_prefix)
+    def __init__(self, temp_prefix: str, proven=frozenset()):
+        super().__init__(temp_prefix, proven)
         self.loaded: dict = {}
 
     def _print_load(self, e):
@@ -431,19 +494,19 @@ class JointSnippet:
                        self.frees[i] if self.frees else None)
 
 
-def print_joint(exprs, temp_prefix: str) -> JointSnippet:
+def print_joint(exprs, temp_prefix: str, proven=frozenset()) -> JointSnippet:
     """Triton statements computing every expression of ``exprs`` (e.g. a mod and its derivatives).
 
     Common subexpressions across all of them (a loaded bias, ``tanh(score / c)``)
-    are computed once; temporaries are named ``{temp_prefix}{n}``.
+    are computed once; temporaries are named ``{temp_prefix}{n}``. ``proven``: the
+    loads read without checks (``TritonPrinter``).
     """
-    printer = _SharedLoadPrinter(temp_prefix)
-    replacements, reduced = sympy.cse(list(exprs), symbols=sympy.numbered_symbols("_cse"),
+    exprs, proven = clamp_proven(exprs, proven)
+    printer = _SharedLoadPrinter(temp_prefix, proven)
+    replacements, reduced = sympy.cse(exprs, symbols=sympy.numbered_symbols("_cse"),
                                       order="none")
     for sym, sub in replacements:
-        code, kind = printer.print(sub)
-        name, kind = printer.temp(code, kind)
-        printer.names[sym], printer.kinds[sym] = name, kind
+        printer.define(sym, sub)
     printed = [printer.print(r) for r in reduced]
     return JointSnippet(tuple(printer.lines), tuple(c for c, _ in printed), tuple(k for _, k in printed),
                         tuple(tuple(sorted(free_indices(e))) for e in exprs))
@@ -456,15 +519,15 @@ def print_address(load, grad_name: str, temp_prefix: str) -> Address:
     return Address(tuple(printer.lines), offset, in_bounds)
 
 
-def print_snippet(expr, temp_prefix: str) -> Snippet:
-    """Triton statements for ``expr``; temporaries are named ``{temp_prefix}{n}``."""
-    printer = TritonPrinter(temp_prefix)
-    replacements, (reduced,) = sympy.cse([expr], symbols=sympy.numbered_symbols("_cse"),
+def print_snippet(expr, temp_prefix: str, proven=frozenset()) -> Snippet:
+    """Triton statements for ``expr``; temporaries are named ``{temp_prefix}{n}``. ``proven``:
+    the loads read without checks (``TritonPrinter``)."""
+    (clamped,), proven = clamp_proven([expr], proven)
+    printer = TritonPrinter(temp_prefix, proven)
+    replacements, (reduced,) = sympy.cse([clamped], symbols=sympy.numbered_symbols("_cse"),
                                          order="none")
     for sym, sub in replacements:
-        code, kind = printer.print(sub)
-        name, kind = printer.temp(code, kind)
-        printer.names[sym], printer.kinds[sym] = name, kind
+        printer.define(sym, sub)
     code, kind = printer.print(reduced)
     return Snippet(tuple(printer.lines), code, kind, tuple(sorted(free_indices(expr))))
 

@@ -6,6 +6,7 @@ index (``flexgen.codegen.index``) in a process that never imports the printer.
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 
 TL_DTYPES = {"float": "tl.float32", "int": "tl.int32", "bool": "tl.int1"}
@@ -35,6 +36,14 @@ class Snippet:
         if literal_value(self.result) is not None:
             return f"tl.full(({rows}, {cols}), {self.result}, {TL_DTYPES[self.kind]})"
         return f"tl.broadcast_to({self.result}, ({rows}, {cols}))"
+
+    @property
+    def clamped(self) -> tuple:
+        """The clamped positions (``q_idx_clamped``, ``kv_idx_clamped``) the statements read:
+        loads proven in bounds read at them (``flexgen.codegen.printer``), and a template
+        binds them where it binds ``q_idx`` and ``kv_idx``."""
+        return tuple(name for name in ("q_idx_clamped", "kv_idx_clamped")
+                     if any(re.search(rf"\b{name}\b", line) for line in self.lines))
 
     @property
     def checks_reads(self) -> bool:

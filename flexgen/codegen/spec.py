@@ -27,12 +27,14 @@ from .snippet import Snippet
 # tile macros of common.py.jinja; the dQ kernel's dO and out loads spell out their mask
 # instead of sharing a v_mask variable. forward 6: varlen's full tiles without bounds checks;
 # forward_gluon 2: its varlen form; 3: the Gluon helpers moved into common.py.jinja
-# macros shared with backward_gluon; 4: the sigmoid activation, its softmax source unchanged.
-# linear 4: key-dim slices (state, output), the prefix kernel and the decay forms.)
+# macros shared with backward_gluon; 4: the sigmoid activation, its softmax source unchanged;
+# 5 (with forward 7, backward 9, backward_gluon 3): the clamped positions that proven
+# captured-tensor loads read. linear 4: key-dim slices (state, output), the prefix kernel
+# and the decay forms.)
 SIGMOID_REVISION = 4
-TEMPLATE_VERSIONS = {"forward": 6, "forward_gluon": 4, "backward_gluon": 2, "block_mask": 3,
+TEMPLATE_VERSIONS = {"forward": 7, "forward_gluon": 5, "backward_gluon": 3, "block_mask": 3,
                      "decode": 3, "decode_merge": 1, "paged_write": 2,
-                     "backward": 8, "linear": 4, "linear_decode": 1}
+                     "backward": 9, "linear": 4, "linear_decode": 1}
 
 
 def pad_head_dim(d: int) -> int:
@@ -120,13 +122,20 @@ class VarlenSpec(KernelSpec):
     band_exact: bool = False
 
 
-def mod_fields(score, mask) -> dict:
+def mod_fields(score, mask, proven=((), ())) -> dict:
     """The KernelSpec fields of a lowered score_mod and mask_mod (either may be None).
 
-    A mask that keeps everything (noop_mask) adds no mask code.
+    A mask that keeps everything (noop_mask) adds no mask code. ``proven``: (score_mod's,
+    mask_mod's) loads the host proved in bounds for the call, which the snippets read
+    without checks (``flexgen.frontend.lowering.proven_snippet``).
     """
-    return dict(score=None if score is None else score.snippet,
-                mask=None if mask is None or mask.is_true else mask.snippet,
+    if any(proven):
+        from ..frontend.lowering import proven_snippet
+        snippets = [None if m is None else proven_snippet(m, p) for m, p in zip((score, mask), proven)]
+    else:
+        snippets = [None if m is None else m.snippet for m in (score, mask)]
+    return dict(score=snippets[0],
+                mask=None if mask is None or mask.is_true else snippets[1],
                 score_buffers=() if score is None else score.buffers,
                 mask_buffers=() if mask is None else mask.buffers)
 

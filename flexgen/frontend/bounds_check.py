@@ -122,6 +122,85 @@ def _error(indices, kind: str, name: str, shapes: tuple, ranges: dict) -> str | 
     return None
 
 
+# ---------------------------------------------------------------------------------- proven loads
+#
+# The same interval bounds, used the other way: where they prove that every index of a load
+# lies in [0, size) at every position of a call, the kernel can read without the wrap of
+# negative indices and without the bounds mask (flexgen.codegen.printer, "proven" loads).
+# Kernels clamp the positions such a load reads into [0, Q_LEN) and [0, KV_LEN), so the
+# padded rows and keys of ragged tiles read a real position's entry. A proof is a pure
+# function of the call's shapes, so the planner keeps it in the kernel spec.
+
+# Offsets of a proven load's position-dependent dims are int32: their extent must fit.
+_INT32_EXTENT = 2 ** 31
+
+
+def proven_loads(traced, B, H, Q_LEN, KV_LEN) -> tuple:
+    """The loads of ``traced`` (a TracedMod, or None) proven in bounds over the call's ranges.
+
+    Ranges as ``check_call_indices`` takes them (``n`` for [0, n), ``(lo, hi)``, None:
+    unknown). A load is proven when it reads at least one position, each of its indices
+    depends on positions only and interval bounds put it in [0, size) over the ranges (none
+    empty), and the dims that read q_idx or kv_idx span fewer than 2**31 elements (their
+    offsets are int32 in the kernel). Returns the proven loads' printed forms
+    (``str`` of the sympy application, what the printer matches), sorted. Memoized.
+    """
+    from ..codegen import debug
+    if traced is None or not traced.buffers or debug.DEBUG:
+        return ()            # FLEXGEN_DEBUG asserts every read on the device instead
+    ranges = tuple(_plain_range(r) for r in (B, H, Q_LEN, KV_LEN))
+    if any(r is None or r[0] >= r[1] for r in ranges):
+        return ()            # an unknown (symbolic) or empty range: nothing to prove over
+    layout = []
+    for t in traced.buffers:
+        shape, strides = tuple(t.shape), tuple(t.stride())
+        if not all(type(n) is int for n in shape + strides):
+            return ()        # symbolic sizes (dynamic shapes): keep the checked loads
+        layout.append((shape, strides))
+    lowered = lower(traced)
+    key = (id(lowered), tuple(layout), ranges)
+    hit = _PROVEN.get(key)
+    if hit is None or hit[0] is not lowered:
+        if len(_PROVEN) >= _CHECKED_MAX:
+            _PROVEN.clear()
+        hit = _PROVEN[key] = (lowered, _prove(lowered, layout, dict(zip(_SYMBOLS, ranges))))
+    return hit[1]
+
+
+_PROVEN: dict = {}
+_POSITIONS = (INDEX_SYMBOLS["q_idx"], INDEX_SYMBOLS["kv_idx"])
+
+
+def _prove(lowered, layout, ranges) -> tuple:
+    found = []
+    loads = {f for f in lowered.expr.atoms(sympy.Function) if is_load(f) and f.args}
+    for load in loads:
+        shape, strides = layout[int(load.func.__name__[4:])]
+        extent, reads_position = 0, False
+        for dim, index in enumerate(load.args):
+            if any(is_load(f) for f in index.atoms(sympy.Function)):
+                break            # an index read from a tensor: known on the device only
+            if not all(s in ranges for s in index.free_symbols):
+                break            # the score, or a symbol of another kind of mod
+            lo, hi = _Interval(ranges)(index)
+            if not (0 <= lo and hi < shape[dim]):
+                break
+            if index.free_symbols & set(_POSITIONS):
+                extent += (shape[dim] - 1) * strides[dim]
+            reads_position = reads_position or bool(index.free_symbols)
+        else:
+            if reads_position and extent < _INT32_EXTENT:
+                found.append(str(load))
+    return tuple(sorted(found))
+
+
+def _plain_range(r):
+    """``_half_open(r)`` for a range of plain ints, else None (unknown, or symbolic)."""
+    if type(r) is int or (type(r) is tuple and all(type(x) is int for x in r)):
+        return _half_open(r)
+    return None
+
+
 def _half_open(r):
     if r is None:
         return None

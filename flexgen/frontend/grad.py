@@ -90,25 +90,27 @@ def _describe(traced: TracedMod, what: str, err, fix: str) -> GradientError:
                          f"be computed: {err.reason} ({where}). Fix: {fix}")
 
 
-def lower_grad(traced: TracedMod | None, grad_slots: tuple) -> LoweredGrad:
+def lower_grad(traced: TracedMod | None, grad_slots: tuple, proven: tuple = ()) -> LoweredGrad:
     """Derivatives of ``traced`` (a score_mod, or None) w.r.t. the score and the buffers in ``grad_slots``.
 
     Raises ``GradientError`` naming the mod when a derivative does not exist
-    or cannot be printed. Memoized per traced graph and set of slots.
+    or cannot be printed. Memoized per traced graph, set of slots and ``proven`` (the
+    loads the mod's snippets read without checks: ``bounds_check.proven_loads``; the
+    gradients' scatters keep their checks).
     """
     if traced is None:
         return LoweredGrad(_Part(None, None), _Part(None, None), True, (), ())
-    key = (traced.signature, grad_slots)
+    key = (traced.signature, grad_slots, proven)
     hit = _GRADS.get(key)
     if hit is not None:
         return hit
     from ..codegen import index
     # The graph names the buffers' dtypes and ranks, all the result depends on besides the slots.
-    index_key = f"{traced.graph}\n{list(grad_slots)}"
+    index_key = f"{traced.graph}\n{list(grad_slots)}" + (f"\nproven {list(proven)}" if proven else "")
     found = index.get("grad", index_key)
     hit = None if found is None else _from_record(found)
     if hit is None:
-        hit = _lower_grad(traced, grad_slots)
+        hit = _lower_grad(traced, grad_slots, proven)
         index.put("grad", index_key, _record(hit))
     if len(_GRADS) >= 4096:
         _GRADS.clear()
@@ -116,7 +118,7 @@ def lower_grad(traced: TracedMod | None, grad_slots: tuple) -> LoweredGrad:
     return hit
 
 
-def _lower_grad(traced: TracedMod, grad_slots: tuple) -> LoweredGrad:
+def _lower_grad(traced: TracedMod, grad_slots: tuple, proven: tuple = ()) -> LoweredGrad:
     """The full path: sympy's derivatives, printed."""
     import sympy
 
@@ -150,7 +152,7 @@ def _lower_grad(traced: TracedMod, grad_slots: tuple) -> LoweredGrad:
 
     def joint(exprs):
         try:
-            return print_joint(exprs, "s_")
+            return print_joint(exprs, "s_", frozenset(proven))
         except RuntimeError as err:   # the printer met a node it has no Triton form for
             raise GradientError(f"score_mod '{name}': its derivative cannot be turned into kernel "
                                 f"code ({err}). Fix: rewrite the mod with the functions listed in "

@@ -90,6 +90,34 @@ def _lower(traced: TracedMod, prefix: str) -> LoweredMod:
     return lowered
 
 
+_PROVEN: dict = {}
+
+
+def proven_snippet(lowered: LoweredMod, proven: tuple) -> Snippet:
+    """``lowered``'s snippet with the loads named in ``proven`` (the host proved them in bounds
+    for a call: ``flexgen.frontend.bounds_check.proven_loads``) read without checks, at
+    clamped positions; ``lowered.snippet`` itself for none. Memoized (and kept in the
+    restart index, keyed by the program text and the loads)."""
+    if not proven:
+        return lowered.snippet
+    key = f"{lowered.prefix}\n{lowered.graph}\nproven {list(proven)}"
+    hit = _PROVEN.get(key)
+    if hit is None:
+        from ..codegen import index
+        found = index.get("proven", key)
+        try:
+            hit = Snippet(tuple(found["lines"]), found["result"], found["kind"], tuple(found["free"]))
+        except (KeyError, TypeError, ValueError):
+            from ..codegen.printer import print_snippet
+            hit = print_snippet(lowered.expr, f"{lowered.prefix}_", frozenset(proven))
+            index.put("proven", key, dict(lines=list(hit.lines), result=hit.result, kind=hit.kind,
+                                          free=list(hit.free)))
+        if len(_PROVEN) >= 4096:
+            _PROVEN.clear()
+        _PROVEN[key] = hit
+    return hit
+
+
 def _record(m: LoweredMod) -> dict:
     """What the restart index keeps of a lowered mod (JSON)."""
     return dict(canonical=m.canonical, lines=list(m.snippet.lines), result=m.snippet.result,
@@ -123,3 +151,4 @@ def buffer_map(traced: TracedMod) -> dict:
 
 def clear_memos() -> None:
     _LOWERED.clear()
+    _PROVEN.clear()

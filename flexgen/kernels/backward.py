@@ -102,10 +102,12 @@ def _tiles(t: dict) -> dict:
 
 def backward_specs(score_traced, mask, grad_slots: tuple, *, qk_head, v_head, dtype, has_block_mask,
                    dot_precision, use_tma, dq_tiles, dkdv_tiles, tune_blocks,
-                   deterministic=False) -> BackwardPlan:
-    """The dQ and dK/dV specs of a call (raises GradientError naming the mod)."""
+                   deterministic=False, proven=((), ())) -> BackwardPlan:
+    """The dQ and dK/dV specs of a call (raises GradientError naming the mod). ``proven``:
+    (score_mod's, mask_mod's) loads read without checks (``bounds_check.proven_loads``)."""
     from ..frontend.grad import lower_grad      # sympy: loaded by the first backward only
-    grads = lower_grad(score_traced, grad_slots)
+    from ..frontend.lowering import proven_snippet
+    grads = lower_grad(score_traced, grad_slots, proven[0])
     deterministic = deterministic and bool(grads.scatters)
     grad_buffers = tuple(dataclasses.replace(g, dtype="int64") for g in grads.grad_buffers) \
         if deterministic else grads.grad_buffers
@@ -113,7 +115,7 @@ def backward_specs(score_traced, mask, grad_slots: tuple, *, qk_head, v_head, dt
     score_buffers = () if score_traced is None else lower(score_traced).buffers
 
     def both(tma):
-        common = dict(mask=None if mask is None else mask.snippet, score_buffers=score_buffers,
+        common = dict(mask=None if mask is None else proven_snippet(mask, proven[1]), score_buffers=score_buffers,
                       mask_buffers=mask_buffers, qk_head=qk_head, v_head=v_head, dtype=dtype,
                       has_block_mask=has_block_mask, dot_precision=dot_precision,
                       score_grad_const=grads.score_grad_const, use_tma=tma)

@@ -84,6 +84,9 @@ class AttentionPlan:
     decode: object = None                    # DecodePlan for the decode kernel
     out_strides: tuple = ()                  # the output keeps the query's stride order
     use_tma: bool = False                    # the [B, H, L, D] tensors through TMA descriptors
+    # (score_mod's, mask_mod's) captured-tensor loads proven in bounds for the call
+    # (bounds_check.proven_loads): its kernels read them without checks.
+    proven: tuple = ((), ())
     # Launch-time state that belongs to the plan: its replays and backward plans.
     replays: dict = field(default_factory=dict, repr=False)
     backward: dict = field(default_factory=dict, repr=False)
@@ -172,22 +175,28 @@ _ATTENTION: dict = {}
 
 def plan_attention(query, key, value, score_mod: str, score_buffers, mask_mod: str, mask_buffers,
                    block_lists, block_size, mask_lengths, scale, enable_gqa: bool, options: str,
-                   want_max: bool = False) -> AttentionPlan:
+                   want_max: bool = False, positions: tuple | None = None) -> AttentionPlan:
     """Check a ``flex_attention`` call and decide its kernel (memoized on what it reads).
 
     ``want_max``: the call also asks for each row's largest score (the forward kernel
     writes it; the decode kernel does not, so such calls take the forward kernel).
+    ``positions``: where the kernels' mods see other positions than the call's shapes give
+    (varlen's packed sequences), (b, h, q_idx, kv_idx) ranges holding all of them, for the
+    proof of loads (``bounds_check.proven_loads``); the host's index check takes b's and h's
+    from it (exact) and q_idx's and kv_idx's from the shapes, as before.
     """
     memo = (_key(query, key, value), score_mod, _key(*score_buffers), mask_mod, _key(*mask_buffers),
             _key(*block_lists[:2]), tuple(block_size), tuple(mask_lengths), scale, enable_gqa, options,
-            want_max, torch.backends.cuda.matmul.allow_tf32 if query.device.type == "cuda" else None)
+            want_max, torch.backends.cuda.matmul.allow_tf32 if query.device.type == "cuda" else None,
+            positions)
     return _memo(_ATTENTION, memo, lambda: _plan_attention(
         query, key, value, score_mod, score_buffers, mask_mod, mask_buffers, block_lists,
-        block_size, mask_lengths, scale, enable_gqa, options, want_max))
+        block_size, mask_lengths, scale, enable_gqa, options, want_max, positions))
 
 
 def _plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers, block_lists,
-                    block_size, mask_lengths, scale, enable_gqa, options, want_max) -> AttentionPlan:
+                    block_size, mask_lengths, scale, enable_gqa, options, want_max,
+                    positions) -> AttentionPlan:
     info = _mask_info(block_lists, block_size, mask_lengths)
     check_qkv(query, key, value, enable_gqa, None if info is None else info.batch)
     B, Hq, Lq, D = query.shape
@@ -202,22 +211,27 @@ def _plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_
         if traced is not None:
             check_captured(traced, device)
     check_mask(info, mask, B, Hq, Lq, Lkv)
+    proven = ((), ())
     if any(t is not None and t.buffers for t in (score_traced, mask_traced)):
         # Captured tensors indexed outside their bounds raise, as torch's indexing would
-        # (imported here: sympy, which a warm restart of mods without tensors never loads).
-        from ..frontend.bounds_check import check_call_indices
-        check_call_indices(score_traced, mask_traced, B, Hq, Lq, Lkv)
+        # (imported here: sympy, which a warm restart of mods without tensors never loads);
+        # loads the same bounds prove inside their tensors are read without checks.
+        from ..frontend.bounds_check import check_call_indices, proven_loads
+        ranges = positions or (B, Hq, Lq, Lkv)
+        check_call_indices(score_traced, mask_traced, *ranges[:2], Lq, Lkv)
+        proven = (proven_loads(score_traced, *ranges),
+                  proven_loads(None if mask is None or mask.is_true else mask_traced, *ranges))
     if info is not None and mask_traced is None:
         raise expected("block_mask", "a mask with its mask_mod", "lists without a mask_mod",
                        "build it with create_block_mask (or give BlockMask.mask_mod)")
     plan = AttentionPlan("forward", B, Hq, Hkv, Lq, Lkv, D, Dv, dtype, device, scale, score,
                          None if mask is None or mask.is_true else mask, score_traced, info, opts,
-                         out_strides=out_strides(query, Dv))
+                         out_strides=out_strides(query, Dv), proven=proven)
     # (An empty batch or query takes the forward kernel, which launches nothing for it.)
     few = 0 < Lq <= MAX_DECODE_QUERIES and B > 0 and not want_max
     plan.use_tma = _use_tma(opts, B, Hq, Lq, Lkv, dtype, device) and _tma_shapes_ok(query, key, value)
     if opts.BACKEND == "gluon":
-        gluon, why = _gluon_spec(query, key, value, score, mask, info, opts)
+        gluon, why = _gluon_spec(query, key, value, score, mask, info, opts, proven)
         if why is not None:
             raise expected("kernel_options['BACKEND']", "'gluon' only where the Gluon kernel runs",
                            why, "use BACKEND 'AUTO' or 'tl' (the Triton-language kernel)")
@@ -236,7 +250,7 @@ def _plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_
 
     def spec(tma):
         return kernel_spec(
-            "forward", **mod_fields(score, mask), qk_head=D, v_head=Dv, dtype=DTYPES[dtype],
+            "forward", **mod_fields(score, mask, proven), qk_head=D, v_head=Dv, dtype=DTYPES[dtype],
             has_block_mask=info is not None, block_m=t["BLOCK_M"], block_n=t["BLOCK_N"],
             num_warps=t["num_warps"], num_stages=t["num_stages"],
             dot_precision=dot_precision(query), use_tma=tma)
@@ -246,7 +260,7 @@ def _plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_
     plan.tune_blocks = None if opts.sets_tiles else (sparse_q, sparse_kv)
     if (opts.BACKEND == "AUTO" and GLUON_AUTO and not opts.sets_tiles
             and B * Hq * Lq * Lkv >= GLUON_MIN_SCORES):
-        gluon, _ = _gluon_spec(query, key, value, score, mask, info, opts)
+        gluon, _ = _gluon_spec(query, key, value, score, mask, info, opts, proven)
     elif opts.BACKEND != "gluon":
         gluon = None
     if gluon is not None:
@@ -292,7 +306,7 @@ def triton_version() -> str:
     return triton.__version__
 
 
-def _gluon_spec(query, key, value, score, mask, info, opts):
+def _gluon_spec(query, key, value, score, mask, info, opts, proven=((), ())):
     """(the Gluon forward spec, None) or (None, why it cannot run this call)."""
     B, Hq, Lq, D = query.shape
     Dv, dtype = value.shape[3], query.dtype
@@ -310,7 +324,7 @@ def _gluon_spec(query, key, value, score, mask, info, opts):
         return None, why
     # K / V ring depth: what fits beside Q in shared memory (D=128: 2 x 64 KB, D=64: 3 x 32 KB).
     stages = opts.num_stages or (2 if D == 128 and block_n == 128 else 3)
-    return kernel_spec("forward_gluon", **mod_fields(score, mask), qk_head=D, v_head=Dv,
+    return kernel_spec("forward_gluon", **mod_fields(score, mask, proven), qk_head=D, v_head=Dv,
                        dtype=DTYPES[dtype], has_block_mask=info is not None, block_m=128,
                        block_n=block_n, num_warps=4, num_stages=stages, use_tma=True), None
 
@@ -461,7 +475,8 @@ def plan_backward(plan: AttentionPlan, query, key, value, grad_slots: tuple):
             plan.score_traced, plan.mask, grad_slots, qk_head=plan.D, v_head=plan.Dv,
             dtype=DTYPES[plan.dtype], has_block_mask=info is not None,
             dot_precision=dot_precision(query), use_tma=use_tma, dq_tiles=dq, dkdv_tiles=dkdv,
-            tune_blocks=None if opts.sets_tiles else (sparse_q, sparse_kv), deterministic=deterministic)
+            tune_blocks=None if opts.sets_tiles else (sparse_q, sparse_kv), deterministic=deterministic,
+            proven=plan.proven)
         gluon = None
         if opts.BACKEND == "gluon" or (opts.BACKEND == "AUTO" and GLUON_BACKWARD_AUTO
                                        and not opts.sets_tiles
@@ -558,17 +573,22 @@ def _plan_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, score_mod, score
     # The forward kernel always (a decode-length packed batch is still many sequences), by pointers.
     forward = dataclasses.replace(opts, BACKEND="TRITON", USE_TMA=False).text
     views = packed_view(query), packed_view(key), packed_view(value)
-    base = plan_attention(*views, score_mod, score_buffers, mask_mod, mask_buffers, (), (), (), scale,
-                          enable_gqa, forward)
-    tl = varlen_spec(base.spec, base.mask)
     num_seqs = cu_seqlens_q.shape[0] - 1
+    # The mods see b = the sequence and positions inside it: q_idx up to the longer of its
+    # query and key counts (queries align to the last keys), kv_idx below its key count.
+    # (None: symbolic sizes, which nothing is proven over; max() of two would add a guard.)
+    total_q, total_kv = query.shape[0], key.shape[0]
+    longest = max(total_q, total_kv) if type(total_q) is int and type(total_kv) is int else None
+    base = plan_attention(*views, score_mod, score_buffers, mask_mod, mask_buffers, (), (), (), scale,
+                          enable_gqa, forward, positions=(num_seqs, query.shape[1], longest, total_kv))
+    tl = varlen_spec(base.spec, base.mask)
     # The Gluon kernel as flex_attention takes it (AUTO: from GLUON_MIN_SCORES scores of the
     # packed views, no tiles of the caller's; "gluon": always, or an InputError saying why not).
     _, Hq, total_q, _ = views[0].shape
     auto = (opts.BACKEND == "AUTO" and GLUON_AUTO and not opts.sets_tiles
             and Hq * total_q * views[1].shape[2] >= GLUON_MIN_SCORES)
     if auto or opts.BACKEND == "gluon":
-        gluon, why = _gluon_spec(*views, base.score, base.mask, None, opts)
+        gluon, why = _gluon_spec(*views, base.score, base.mask, None, opts, base.proven)
         if why is not None and opts.BACKEND == "gluon":
             raise expected("kernel_options['BACKEND']", "'gluon' only where the Gluon kernel runs",
                            why, "use BACKEND 'AUTO' or 'tl' (the Triton-language kernel)")
