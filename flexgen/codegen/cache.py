@@ -229,10 +229,16 @@ def _execute(name: str, text: str, path: Path | None, interpret: bool) -> types.
 EXACT_TANH = os.environ.get("FLEXGEN_EXACT_TANH", "0") not in ("", "0")
 
 
+def half_inputs(spec: KernelSpec) -> bool:
+    """Whether a kernel's inputs are float16 / bfloat16: on the GPU such kernels take the
+    one-instruction tanh.approx (mods' tanh, sigmoid weights), whose 2^-11 relative error
+    is below those inputs' own precision; float32 kernels keep the exact formulas."""
+    return spec.dtype in ("float16", "bfloat16")
+
+
 def fast_tanh(spec: KernelSpec) -> bool:
-    """Whether a module compiled for the GPU takes tanh.approx for the mods' tanh: where the
-    inputs are float16 / bfloat16, whose precision the approximation's error is below."""
-    return not EXACT_TANH and spec.dtype in ("float16", "bfloat16")
+    """Whether a module compiled for the GPU takes tanh.approx for the mods' tanh."""
+    return not EXACT_TANH and half_inputs(spec)
 
 
 def load(spec: KernelSpec, interpret: bool):

@@ -60,7 +60,7 @@ def compile_launch(spec, args, constexprs, target=HOPPER):
         constexprs = dict(constexprs, DOT_UPCAST=False)   # the GPU path, not the interpreter's
     if "EXACT_SIGMOID" in names:
         # tanh.approx for half inputs, as the GPU runs it (launch._launch_once)
-        constexprs = dict(constexprs, EXACT_SIGMOID=spec.dtype not in ("float16", "bfloat16"))
+        constexprs = dict(constexprs, EXACT_SIGMOID=not cache.half_inputs(spec))
     if len(args) + len(constexprs) != len(names):
         raise ValueError(f"{spec.kernel_name}: a launch recorded {len(args)} arguments and "
                          f"{len(constexprs)} constexprs, the kernel takes {len(names)}")

@@ -215,11 +215,10 @@ def _launch_once(spec: KernelSpec, device: torch.device, inputs):
         # The interpreter's bf16 tl.dot is wrong; kernels multiply in float32 there.
         constexprs = dict(constexprs, DOT_UPCAST=interpret)
     if "EXACT_SIGMOID" in module.KERNEL.arg_names:
-        # Sigmoid kernels: tanh.approx (PTX) on the GPU, the exact formula where no PTX runs.
-        # float32 inputs keep the exact formula too: tanh.approx's 2^-11 is below half
-        # precision's rounding, not float32's (as for the mods' tanh, codegen.cache.fast_tanh).
+        # Sigmoid kernels: tanh.approx (PTX) on the GPU for half inputs (cache.half_inputs),
+        # the exact formula where no PTX runs and for float32.
         constexprs = dict(constexprs, EXACT_SIGMOID=interpret or EXACT_SIGMOID
-                          or spec.dtype not in ("float16", "bfloat16"))
+                          or not cache.half_inputs(spec))
     if interpret:
         options = dict(num_warps=module.NUM_WARPS, num_stages=getattr(module, "NUM_STAGES", 1))
         with _library_interpreted():
