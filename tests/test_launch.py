@@ -157,7 +157,7 @@ def test_replay_launches_with_new_leading_tensors_only_when_they_specialize_alik
     monkeypatch.setattr(launch, "RECORDED", None)     # the suite records launches for its AOT check
     x = torch.zeros(64)
     launched = launch._launch_compiled(SPEC, module, (3, 2), [x, 100, 64, 0.125], dict(BLOCK=64, EVEN=True))
-    replay = launch.Replay(*launched, 1)
+    replay = launch.Replay(*launched, (x,))
     y = torch.ones(64)
     assert replay(y)
     call = kernel.compiled.calls[-1]
@@ -181,7 +181,7 @@ def test_replay_launch_skips_only_the_class_check(fake_gpu, monkeypatch):
     monkeypatch.setattr(launch, "RECORDED", None)
     launched = launch._launch_compiled(SPEC, module, (3, 2), [torch.zeros(64), 100, 64, 0.125],
                                        dict(BLOCK=64, EVEN=True))
-    replay = launch.Replay(*launched, 1)
+    replay = launch.Replay(*launched, launched[2][:1])
     y = torch.ones(64)
     assert replay.launch(y) and kernel.compiled.calls[-1][9] is y
     calls = len(kernel.compiled.calls)
@@ -196,20 +196,64 @@ def test_replay_launch_skips_only_the_class_check(fake_gpu, monkeypatch):
     assert len(kernel.compiled.calls) == calls
 
 
-def test_no_replay_of_tma_descriptors(fake_gpu, monkeypatch):
-    """A replay swaps tensors in; a launch whose leading arguments are descriptors is not replayed."""
+def test_replay_launches_views_of_its_origins_at_their_addresses(fake_gpu, monkeypatch):
+    """A block list broadcast over heads is an expand() made per call, at its origin's
+    address: the replay launches at that address (the caller's key holds it), so it still
+    launches once the view is gone; an argument at no origin's address is held weakly."""
+    module, kernel = fake_gpu
+    monkeypatch.setattr(launch, "RECORDED", None)
+    origin = torch.arange(8, dtype=torch.int32).view(2, 1, 4)
+    view = origin.expand(2, 4, 4)
+    other = torch.zeros(3)
+    launched = launch._launch_compiled(SPEC, module, (3, 2), [torch.zeros(64), view, other, 0.125],
+                                       dict(BLOCK=64, EVEN=True))
+    replay = launch.Replay(*launched, launched[2][:1], (origin,))
+    kernel.triton_launches.clear()              # (the fake's record of the first launch)
+    address = origin.data_ptr()
+    del view, launched, origin
+    y = torch.ones(64)
+    assert replay(y)
+    assert kernel.compiled.calls[-1][10].data_ptr() == address
+    del other
+    assert not replay(y)                        # held weakly: gone
+
+
+def test_replay_of_tma_descriptors_copies_them_with_the_new_tensor(fake_gpu, monkeypatch):
+    """A descriptor over a tensor that changes per call is copied with the new tensor as its
+    base; one over any other tensor would have to be rebuilt: no replay then."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     module, kernel = fake_gpu
     monkeypatch.setattr(launch, "RECORDED", None)
-    monkeypatch.setattr(launch, "_launch", lambda spec, device, inputs: (kernel.compiled, (1,), list(inputs), (), 0))
-    t = torch.zeros(1, 1, 16, 16)
-    d = TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 16, 16])
+    t, other = torch.zeros(1, 1, 16, 16), torch.zeros(1, 1, 16, 16)
     cuda = torch.device("cuda", 0)
+
+    def descriptor(x):
+        return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, 16, 16])
+
     monkeypatch.setattr(launch, "_launch", lambda spec, device, inputs: (
-        kernel.compiled, (1,), [inputs["x"], 3], (), 0))
-    assert launch.run(SPEC, cuda, dict(x=d), replay=1) is None
-    assert isinstance(launch.run(SPEC, cuda, dict(x=t), replay=1), launch.Replay)
+        kernel.compiled, (1,), [descriptor(inputs["x"]), inputs["x"], descriptor(other), 3], (), 0))
+    assert launch.run(SPEC, cuda, dict(x=t), replay=(t,)) is None
+    monkeypatch.setattr(launch, "_launch", lambda spec, device, inputs: (
+        kernel.compiled, (1,), [descriptor(inputs["x"]), inputs["x"], 3], (), 0))
+    replay = launch.run(SPEC, cuda, dict(x=t), replay=(t,))
+    y = torch.ones(1, 1, 16, 16)
+    assert replay(y)
+    args = kernel.compiled.calls[-1][9:]
+    assert isinstance(args[0], TensorDescriptor) and args[0].base is y and args[0].block_shape == [1, 1, 16, 16]
+    assert args[1] is y and args[2] == 3
+
+
+def test_replay_declines_tensors_aliased_otherwise(fake_gpu, monkeypatch):
+    """Recorded with q, k, v one tensor, a call with three must not launch all three as one."""
+    module, kernel = fake_gpu
+    monkeypatch.setattr(launch, "RECORDED", None)
+    x = torch.zeros(64)
+    launched = launch._launch_compiled(SPEC, module, (3, 2), [x, 100, 64, 0.125], dict(BLOCK=64, EVEN=True))
+    replay = launch.Replay(*launched, (x, x))
+    assert not replay(torch.ones(64), torch.ones(64))
+    y = torch.ones(64)
+    assert replay(y, y)
 
 
 def test_the_interpreter_path_never_replays():

@@ -299,7 +299,7 @@ def test_a_repeated_call_replays_only_with_the_same_captured_tensors_and_lists(m
             replayed.append(tensors)
             return True
 
-    def fake_run(spec, device, inputs, tune_blocks=None, replay=0):
+    def fake_run(spec, device, inputs, tune_blocks=None, replay=(), origins=()):
         launched.append(inputs)
         return FakeReplay()
     monkeypatch.setattr(flexgen.runtime.launch, "run", fake_run)

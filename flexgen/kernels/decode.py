@@ -299,10 +299,11 @@ def run_decode(plan, query, key, value, score_buffers, mask_buffers, kv_lists,
             page_table=page_table, visit=visit, score_buffers=score_buffers,
             mask_buffers=mask_buffers, scale=scale, q_tile=plan.q_tile, num_splits=S,
             page_size=plan.page_size, sparse_q=plan.sparse_q, sparse_kv=plan.sparse_kv,
-            **({} if bias is None else {"bias": bias})), replay=len(swapped))
+            **({} if bias is None else {"bias": bias})), replay=swapped)
     if S > 1 and (slot[1] is None or not slot[1](o_part, l_part, out, lse)):
         slot[1] = launch.run(plan.merge_spec, device,
-                             dict(o_part=o_part, l_part=l_part, out=out, lse=lse), replay=4)
+                             dict(o_part=o_part, l_part=l_part, out=out, lse=lse),
+                             replay=(o_part, l_part, out, lse))
     return out, lse
 
 

@@ -51,19 +51,21 @@ def run_forward(plan, query, key, value, score_buffers, mask_buffers, block_list
         leading, extra = (query, key, value, out), dict(bias=bias)
     else:
         leading, extra = (query, key, value, out, lse, lse if max_scores is None else max_scores), {}
-    others = replay_key(score_buffers, mask_buffers, block_lists, *extra.values())
+    others = replay_key(score_buffers, mask_buffers, block_lists[:4], *extra.values())
+    origins = tuple(t for t in (*score_buffers, *mask_buffers, *block_lists[:4], *extra.values())
+                    if isinstance(t, torch.Tensor))
     if not replay(plan, spec, others, leading):
         inputs = dict(q=query, k=key, v=value, out=out, lse=lse, sparse=sparse,
                       score_buffers=score_buffers, mask_buffers=mask_buffers, scale=plan.scale,
                       max_scores=max_scores, **extra)
         try:
             launched = launch.run(spec, device, inputs, tune_blocks=plan.tune_blocks,
-                                  replay=len(leading))
+                                  replay=leading, origins=origins)
         except CompilationError as err:
             if spec.template != "forward_gluon":
                 raise
             spec = _gluon_failed(plan, err)
-            launched = launch.run(spec, device, inputs, replay=len(leading))
+            launched = launch.run(spec, device, inputs, replay=leading, origins=origins)
         remember(plan, spec, others, launched)
     return out, lse, _placeholder(max_scores, device)
 
@@ -83,17 +85,21 @@ def _gluon_failed(plan, err):
     return plan.spec
 
 
-MAX_REPLAYS = 16           # per plan: the other tensors' identities -> Replay
+MAX_REPLAYS = 32           # per plan: where the other tensors lie (and which kernel) -> Replay
 
 
-def replay_key(score_buffers, mask_buffers, block_lists, *extra) -> tuple:
-    """What a launch passes besides its leading tensors and what the plan fixes (shapes,
-    strides, dtypes, scale): which captured tensors and block lists it reads. A plan serves
-    every call of those shapes (a new document mask has the same shapes), so a replay is
-    only right for the very same tensors; the Replay holds them weakly and declines once one
-    is gone (another tensor may then have its id)."""
-    return (*map(id, score_buffers), None, *map(id, mask_buffers), None, *map(id, block_lists[:4]),
-            *extra)
+def _where(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t.dtype, t.shape, t.stride()
+
+
+def replay_key(score_buffers, mask_buffers, lists, *extra) -> tuple:
+    """What a launch passes besides the tensors it swaps in and what the plan fixes (shapes,
+    strides, dtypes, scale): where the captured tensors and block lists it reads lie (address,
+    dtype, shape, strides). A replay launches at those addresses, so it reads whatever tensors
+    lie there now, as a launch would: keyed by identity instead, every call of a compiled graph
+    (whose views of one mask buffer are new objects each time) launched anew."""
+    return (*map(_where, score_buffers), None, *map(_where, mask_buffers), None,
+            *map(_where, lists), *extra)
 
 
 def replay(plan, spec, others, leading) -> bool:

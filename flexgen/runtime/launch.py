@@ -87,25 +87,25 @@ def _library_interpreted():
 
 
 def run(spec: KernelSpec, device: torch.device, inputs: dict, tune_blocks: tuple | None = None,
-        replay: int = 0):
+        replay: tuple = (), origins: tuple = ()):
     """Launch ``spec``'s kernel on ``inputs`` (the keyword arguments its module's ``arguments`` takes).
 
     ``tune_blocks`` (the sparse block sizes) marks a launch whose tiles the
     caller left to flexgen: on a GPU it may launch an autotuned winner instead
-    (``flexgen.runtime.tuning``). With ``replay=n`` it returns a ``Replay`` of this
-    launch for the same call with new tensors in the first n kernel arguments
-    (or None where replaying is not possible).
+    (``flexgen.runtime.tuning``). With ``replay`` (the call's tensors that change from
+    call to call, None for one it lacks) it returns a ``Replay`` of this launch for a
+    later call with new such tensors (or None where replaying is not possible);
+    ``origins``: the tensors whose addresses the caller keys that replay on (captured
+    tensors, block lists), which the other kernel arguments may view (see ``Replay``).
     """
     if tune_blocks is not None and device.type == "cuda" and tuning.needs_lookup():
         # The search must see a candidate that does not fit fail, not quietly shrink.
         spec = tuning.choose(spec, device, inputs, tune_blocks,
                              lambda s: _launch_once(s, device, inputs))
-        replay = 0          # a size bucket's winner can change while the process tunes
+        replay = ()         # a size bucket's winner can change while the process tunes
     launched = _launch(spec, device, inputs)
-    # Only plain tensors can be swapped in (a TMA descriptor would have to be rebuilt).
-    if (replay and launched is not None and RECORDED is None
-            and all(type(a) is torch.Tensor for a in launched[2][:replay])):
-        return Replay(*launched, replay)
+    if replay and launched is not None and RECORDED is None:
+        return Replay.of(*launched, replay, origins)
     return None
 
 
@@ -124,44 +124,92 @@ def _recorded(arg):
 
 
 class Replay:
-    """A launch made again with new tensors in its first ``n`` arguments, nothing else recomputed.
+    """A launch made again with new tensors, nothing else recomputed.
 
-    For a caller that knows every other argument is unchanged (``api._forward``:
-    the same planned call, so the same shapes, strides, block mask and captured
-    tensors). ``__call__`` returns False, launching nothing, when the new tensors
-    differ in what Triton specializes on (dtype, 16-byte alignment) or the
-    current device changed; the caller then launches normally. ``launch`` skips
-    the first of those checks, for a caller that has made it already.
+    For a caller that knows every other argument is unchanged (the same planned call,
+    so the same shapes, strides, block mask and captured tensors: ``replay_key`` in
+    ``flexgen.kernels.forward``). The tensors that change (``fresh``) are found among
+    the arguments by identity, as themselves or as the base of a TMA descriptor (a
+    copy of which takes the new tensor: the same shapes and strides). ``__call__``
+    returns False, launching nothing, when the new tensors differ in what Triton
+    specializes on (dtype, 16-byte alignment), alias one another otherwise than the
+    first ones did, or the current device changed; the caller then launches normally.
     """
 
-    def __init__(self, kernel, grid, args, tail, device_index, n):
-        self.kernel, self.device_index, self.n = kernel, device_index, n
+    @classmethod
+    def of(cls, kernel, grid, args, tail, device_index, fresh, origins=()):
+        """The Replay of a launch, or None where an argument is a descriptor over a tensor
+        that is not among ``fresh`` (it would have to be rebuilt)."""
+        slots = {id(t): i for i, t in enumerate(fresh) if t is not None}
+        for a in args:
+            base = getattr(a, "base", None)
+            if isinstance(base, torch.Tensor) and id(base) not in slots:
+                return None
+        return cls(kernel, grid, args, tail, device_index, fresh, origins)
+
+    def __init__(self, kernel, grid, args, tail, device_index, fresh, origins=()):
+        self.kernel, self.device_index = kernel, device_index
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
-        self.classes = _arg_classes(args[:n])
-        # The other tensors (captured tensors, block lists) held weakly: a Replay kept in a
-        # plan must not keep them alive (a CUDA graph's pool refuses tensors that outlive
-        # its outputs, and a user's freed mask should be freed). Triton reads each pointer
-        # through data_ptr() at launch, so a tensor given new storage is still followed.
-        self.rest = tuple(_Weak(a) if isinstance(a, torch.Tensor) else a for a in args[n:]) + tail
-        self.weak = tuple(a.ref for a in self.rest if type(a) is _Weak)
+        self.pattern = _pattern(fresh)
+        self.classes = _arg_classes([t for t in fresh if t is not None])
+        slots = {id(t): i for i, t in enumerate(fresh) if t is not None}
+        # (argument position, index in fresh, the descriptor to copy or None)
+        self.swaps = []
+        # The other tensors (captured tensors, block lists): an argument at the address of
+        # one of ``origins``, which the caller's key holds the addresses of (a view made per
+        # call, such as a block list broadcast over heads, lies at its origin's), is launched
+        # at that address: a call with the same key has its tensors there. Any other is
+        # held weakly: a Replay kept in a plan must not keep it alive (a CUDA graph's pool
+        # refuses tensors that outlive its outputs, and a user's freed mask should be freed),
+        # and declines once it is gone. Triton reads each pointer through data_ptr() at launch.
+        at = {o.data_ptr() for o in origins}
+        rest = []
+        for pos, a in enumerate(args):
+            base = getattr(a, "base", None)
+            if isinstance(a, torch.Tensor) and id(a) in slots:
+                self.swaps.append((pos, slots[id(a)], None))
+                a = None
+            elif isinstance(base, torch.Tensor):
+                self.swaps.append((pos, slots[id(base)], _recorded(a)))
+                a = None
+            elif isinstance(a, torch.Tensor):
+                a = _Address(a.data_ptr()) if a.data_ptr() in at else _Weak(a)
+            rest.append(a)
+        self.args = tuple(rest) + tuple(tail)
+        self.weak = tuple(a.ref for a in self.args if type(a) is _Weak)
 
     def __call__(self, *tensors) -> bool:
-        return _arg_classes(tensors) == self.classes and self.launch(*tensors)
+        return (_pattern(tensors) == self.pattern
+                and _arg_classes([t for t in tensors if t is not None]) == self.classes
+                and self.launch(*tensors))
 
     def launch(self, *tensors) -> bool:
-        """Launch with ``tensors``, which the caller knows match ``classes`` (dtypes and
-        16-byte alignment as at the first launch: a kernel specialized on an aligned
-        pointer must never get another); False, launching nothing, where Triton's own
-        path must run instead."""
+        """Launch with ``tensors``, which the caller knows match ``classes`` and ``pattern``
+        (dtypes and 16-byte alignment as at the first launch: a kernel specialized on an
+        aligned pointer must never get another); False, launching nothing, where Triton's
+        own path must run instead."""
         if RECORDED is not None or _current_device() != self.device_index or not _hooks_idle():
             return False
         for ref in self.weak:
             if ref() is None:
                 return False
+        args = list(self.args)
+        for pos, i, descriptor in self.swaps:
+            if descriptor is None:
+                args[pos] = tensors[i]
+            else:
+                args[pos] = copy.copy(descriptor)
+                object.__setattr__(args[pos], "base", tensors[i])
         kernel, (g0, g1, g2) = self.kernel, self.grid
         kernel.run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(self.device_index),
-                   kernel.function, kernel.packed_metadata, None, None, None, *tensors, *self.rest)
+                   kernel.function, kernel.packed_metadata, None, None, None, *args)
         return True
+
+
+def _pattern(tensors) -> tuple:
+    """Which of ``tensors`` are the same object (each one's first index; -1 for None)."""
+    first: dict = {}
+    return tuple(-1 if t is None else first.setdefault(id(t), i) for i, t in enumerate(tensors))
 
 
 class _Weak:
@@ -174,6 +222,17 @@ class _Weak:
 
     def data_ptr(self) -> int:
         return self.ref().data_ptr()
+
+
+class _Address:
+    """A kernel's tensor argument as its address (see ``Replay``)."""
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def data_ptr(self) -> int:
+        return self.ptr
 
 
 # spec key -> the smaller spec that fits: a mod that keeps more tiles live (a
