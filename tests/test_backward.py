@@ -410,3 +410,57 @@ def test_deterministic_mode_is_bitwise_reproducible_on_gpu(deterministic):
         assert all(same), "a deterministic backward differed between runs"
     else:
         print(f"fast path: {sum(same)}/{len(same)} repeated runs bitwise equal")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("use_tma", [False, True])
+def test_replayed_backward_launches_match_fresh_ones_on_gpu(use_tma, monkeypatch):
+    """A backward like an earlier one replays its kernels with the call's own tensors swapped
+    in (inputs, outputs, the learned table's accumulator; TMA descriptors copied with the new
+    base): its gradients are the ones a launch without replays gives. A new mask at another
+    address, or a new captured tensor, launches anew."""
+    from flexgen.runtime import plan as P
+    monkeypatch.setattr(flexgen.runtime.launch, "RECORDED", None)     # (the suite's AOT record)
+    g = _gen(21)
+    B, H, L, D = 2, 4, 1024, 64
+    docs = torch.cat([M.doc_ids_from_lengths([300, 724]), M.doc_ids_from_lengths([1000, 24])]).view(2, L).cuda()
+    masks = [create_block_mask(M.document_mask(docs), B, None, L, L, device="cuda"),
+             create_block_mask(M.causal_mask, None, None, L, L, device="cuda")]
+    tables = [(torch.randn(H, 2 * L - 1, generator=g) * 0.5).cuda().requires_grad_() for _ in range(2)]
+    options = {"USE_TMA": use_tma}
+
+    def grads(seed, mask, table):
+        gen = _gen(seed)
+        q, k, v, d_out = (torch.randn(B, H, L, D, generator=gen).cuda().to(torch.bfloat16)
+                          for _ in range(4))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = flex_attention(q, k, v, score_mod=M.relative_position_bias(table, L), block_mask=mask,
+                             kernel_options=options)
+        return torch.autograd.grad(out, (q, k, v, table), d_out)
+
+    calls = [(1, 0, 0), (2, 0, 0), (3, 1, 0), (4, 1, 1), (5, 1, 1)]
+    replays = []
+    real_replay = flexgen.runtime.launch.Replay.launch
+    flexgen.runtime.launch.Replay.launch = lambda self, *t: replays.append(self) or real_replay(self, *t)
+    try:
+        replayed = [grads(seed, masks[m], tables[t]) for seed, m, t in calls]
+    finally:
+        flexgen.runtime.launch.Replay.launch = real_replay
+    # Calls 2 and 5 repeat calls 1 and 4: forward, dQ and dK/dV replayed.
+    assert len(replays) == 6, len(replays)
+    launches = []
+    real_run = flexgen.runtime.launch.run
+    for plan in P._ATTENTION.values():
+        plan.replays.clear()
+    for (seed, m, t), want_from in zip(calls, replayed):
+        flexgen.runtime.launch.run = lambda *a, **kw: launches.append(a[0]) or real_run(*a, **{**kw, "replay": ()})
+        try:
+            fresh = grads(seed, masks[m], tables[t])
+        finally:
+            flexgen.runtime.launch.run = real_run
+        for name, a, b in zip(("dq", "dk", "dv", "table"), want_from, fresh):
+            if name == "table":     # float atomics: the order of the adds may differ
+                torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda msg: f"{name}: {msg}")
+            else:
+                assert torch.equal(a, b), f"call {seed}: {name} differs from a fresh launch"
+    assert launches

@@ -48,8 +48,9 @@ from triton.compiler.errors import CompilationError
 from ..codegen.spec import KernelSpec, tma_addressable
 from ..errors import expected
 from ..frontend.lowering import lower
-from ..runtime import launch
+from ..runtime import launch, tuning
 from ..runtime.poison import poison
+from .forward import MAX_REPLAYS, replay_key
 
 
 @dataclass(frozen=True)
@@ -193,23 +194,51 @@ def run_backward(bw: BackwardPlan, plan, query, key, value, out, lse, grad_out, 
                   dq=dq, dk=dk, dv=dv, score_buffers=score_buffers, mask_buffers=mask_buffers,
                   scale=plan.scale, **({"bias": bias} if sigmoid else {}))
     dq_spec, dkdv_spec = _pick(bw, (query, key, value, out, grad_out, dq, dk, dv), query.dtype)
+    run = _Launcher(plan, (query, key, value, out, grad_out, lse, dlse, delta, dq, dk, dv, *grads),
+                    score_buffers, mask_buffers, block_lists, bias)
     # The dQ kernel runs first in any case: it writes delta, which the dK/dV kernel reads.
-    launch.run(dq_spec, device, dict(common, sparse=kv_sparse, grad_buffers=grads),
-               tune_blocks=bw.tune_blocks)
+    run(dq_spec, dict(common, sparse=kv_sparse, grad_buffers=grads), bw.tune_blocks)
     if needs_kv:
         gluon = _gluon_dkdv(bw, (query, key, value, grad_out, dk, dv), query.dtype)
         dkdv_inputs = dict(common, sparse=q_sparse, grad_buffers=())
         if gluon is None:
-            launch.run(dkdv_spec, device, dkdv_inputs, tune_blocks=bw.tune_blocks)
+            run(dkdv_spec, dkdv_inputs, bw.tune_blocks)
         else:
             try:
-                launch.run(gluon, device, dkdv_inputs)
+                run(gluon, dkdv_inputs)
             except CompilationError as err:
                 _gluon_failed(plan, gluon, err)
-                launch.run(dkdv_spec, device, dkdv_inputs, tune_blocks=bw.tune_blocks)
+                run(dkdv_spec, dkdv_inputs, bw.tune_blocks)
         if shared_kv:
             dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
     return dq, dk, dv, buffer_grads(bw, grads, score_buffers)
+
+
+class _Launcher:
+    """Launches a backward kernel, or replays its launch of an earlier call like this one
+    (``launch.Replay``): the same plan, kernel and bias, tensors laid out alike, and the
+    captured tensors and block lists at the same addresses (``forward.replay_key``). The
+    call's own tensors (``fresh``: inputs, outputs, gradient accumulators) are swapped in;
+    the replays are kept in the plan beside the forward's."""
+
+    def __init__(self, plan, fresh, score_buffers, mask_buffers, block_lists, bias):
+        self.plan, self.fresh = plan, fresh
+        self.origins = (*score_buffers, *mask_buffers, *block_lists)
+        self.key = (replay_key(score_buffers, mask_buffers, block_lists, bias),
+                    tuple(None if t is None else (t.shape, t.stride()) for t in fresh))
+
+    def __call__(self, spec, inputs, tune_blocks=None) -> None:
+        replays = self.plan.replays
+        key = (spec.kernel_name, *self.key)
+        found = replays.get(key)
+        if found is not None and not tuning.needs_lookup() and found(*self.fresh):
+            return
+        launched = launch.run(spec, inputs["q"].device, inputs, tune_blocks=tune_blocks,
+                              replay=self.fresh, origins=self.origins)
+        if launched is not None:
+            if len(replays) >= MAX_REPLAYS:
+                replays.clear()
+            replays[key] = launched
 
 
 # Keys of Gluon dK/dV specs that failed to compile with this Triton (AUTO then runs the tl
