@@ -150,14 +150,17 @@ def test_block_lists_match_dense_mask(name, Q_LEN, KV_LEN, BLOCK_SIZE):
     check_mask(mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE)
 
 
+@pytest.mark.parametrize("every", [False, True], ids=["bounds_first", "every_block"])
 @pytest.mark.parametrize("name", list(MASKS))
-def test_sync_free_classification_matches(name, monkeypatch):
+def test_sync_free_classification_matches(name, every, monkeypatch):
     """The GPU's path (the dense block-mask kernel classifying every undecided block in
-    place, no nonzero() and so no host sync) gives the lists of the CPU's path."""
+    place, no nonzero() and so no host sync; for small grids every block, no bounds) gives
+    the lists of the CPU's path."""
     from flexgen.masks import builder
     mask_mod, B, H = MASKS[name]
     want = create_block_mask(mask_mod, B, H, 200, 131, device="cpu", BLOCK_SIZE=(64, 16))
     monkeypatch.setattr(builder, "SYNC_FREE_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(builder, "EVERY_MAX_ELEMENTS", 2 ** 28 if every else 0)
     got = create_block_mask(mask_mod, B, H, 200, 131, device="cpu", BLOCK_SIZE=(64, 16))
     for a, b in zip(want.as_tuple(), got.as_tuple()):
         if isinstance(a, torch.Tensor):

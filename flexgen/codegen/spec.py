@@ -30,9 +30,10 @@ from .snippet import Snippet
 # macros shared with backward_gluon; 4: the sigmoid activation, its softmax source unchanged;
 # 5 (with forward 7, backward 9, backward_gluon 3): the clamped positions that proven
 # captured-tensor loads read. linear 4: key-dim slices (state, output), the prefix kernel
-# and the decay forms.)
+# and the decay forms. block_mask 4: the dense kernel's EVERY, for grids small enough to
+# classify every block without the bounds.)
 SIGMOID_REVISION = 4
-TEMPLATE_VERSIONS = {"forward": 7, "forward_gluon": 5, "backward_gluon": 3, "block_mask": 3,
+TEMPLATE_VERSIONS = {"forward": 7, "forward_gluon": 5, "backward_gluon": 3, "block_mask": 4,
                      "decode": 3, "decode_merge": 1, "paged_write": 2,
                      "backward": 9, "linear": 4, "linear_decode": 1}
 

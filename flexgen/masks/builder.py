@@ -31,6 +31,11 @@ _STATE_VALUES: dict = {}
 # launches behind the previous step's kernels (Hugging Face builds a mask per forward). The
 # CPU keeps the list and its torch-op path, which compiles no kernel.
 SYNC_FREE_DEVICES = ("cuda",)
+# There, a grid of at most this many elements (B * H * Q_LEN * KV_LEN) skips the bounds and
+# has the kernel classify every block: ~60 small torch ops of the bounds cost ~1-2 ms of a
+# slow host per mask (a step that builds its mask is host-bound on it), the kernel's extra
+# element pass ~20-40 us of GPU at 2**28.
+EVERY_MAX_ELEMENTS = 2 ** 28
 
 
 def _aligned(n: int) -> int:
@@ -128,6 +133,10 @@ def block_hits(lowered, traced, B, H, Q_LEN, KV_LEN, q_block, kv_block, device) 
     from . import bounds
     shape = (B, H, -(-Q_LEN // q_block), -(-KV_LEN // kv_block))
     hit = torch.empty((2, *shape), dtype=torch.int32, device=device)
+    sync_free = torch.device(device).type in SYNC_FREE_DEVICES
+    if sync_free and B * H * Q_LEN * KV_LEN <= EVERY_MAX_ELEMENTS:
+        _classify_in_place(lowered, traced, hit, Q_LEN, KV_LEN, q_block, kv_block, every=True)
+        return hit
     undecided, full = hit.unbind(0)
     # The recorded block-bounds program (no sympy in a warm process), or the expression.
     program = lowered.bounds if lowered.bounds is not None else lowered.expr
@@ -136,17 +145,22 @@ def block_hits(lowered, traced, B, H, Q_LEN, KV_LEN, q_block, kv_block, device) 
     # Undecided: neither full nor empty, i.e. full == empty (never both true;
     # were they, the block would count as undecided and be looked at).
     torch.eq(empty.expand(shape), full, out=undecided)
-    if torch.device(device).type in SYNC_FREE_DEVICES:
-        from ..runtime import launch
-        launch.run(block_mask_spec(lowered, dense=True), device,
-                   dict(hits=hit, mask_buffers=traced.buffers, q_len=Q_LEN, kv_len=KV_LEN,
-                        q_block=q_block, kv_block=kv_block))
+    if sync_free:
+        _classify_in_place(lowered, traced, hit, Q_LEN, KV_LEN, q_block, kv_block)
         return hit
     blocks = undecided.nonzero()                        # [N, 4]: b, h, q block, kv block
     if blocks.shape[0]:
         hit[(slice(None), *blocks.unbind(1))] = _classify_undecided(
             lowered, traced, blocks, Q_LEN, KV_LEN, q_block, kv_block, B, H)
     return hit
+
+
+def _classify_in_place(lowered, traced, hit, Q_LEN, KV_LEN, q_block, kv_block, every=False) -> None:
+    """The dense block-mask kernel over ``hit``: its undecided blocks, or (``every``) all."""
+    from ..runtime import launch
+    launch.run(block_mask_spec(lowered, dense=True), hit.device,
+               dict(hits=hit, mask_buffers=traced.buffers, q_len=Q_LEN, kv_len=KV_LEN,
+                    q_block=q_block, kv_block=kv_block, every=every))
 
 
 def block_mask_spec(lowered, dense: bool = False):
