@@ -114,7 +114,10 @@ def check_backward(query, key, value, score_buffers, mask_buffers, block_lists, 
 
 def _setup_attention(ctx, inputs, output):
     (query, key, value, score_buffers, mask_buffers, block_lists, *rest) = inputs
-    if all(isinstance(n, int) for t in (query, key, value) for n in t.shape):
+    # torch.compile traces this (call_attention's check is skipped while compiling); an eager
+    # call has been checked by call_attention already.
+    if torch.compiler.is_compiling() and all(isinstance(n, int) for t in (query, key, value)
+                                             for n in t.shape):
         check_backward(*inputs)
     out, lse, max_scores = output
     ctx.set_materialize_grads(False)          # an unused output's gradient stays None
