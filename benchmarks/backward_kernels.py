@@ -3,17 +3,21 @@
     python benchmarks/backward_kernels.py                                   # D=128, six variants, 16k
     python benchmarks/backward_kernels.py --cases 128:causal:16384,64:full:16384
     python benchmarks/backward_kernels.py --row backward.dkdv=64,64,4,2 --row backward.dq=128,64,8,3
+    python benchmarks/backward_kernels.py --options '{"USE_TMA": false}' --label pointer
 
 For A/B runs of backward kernel changes (benchmarks/NOTES.md): flexgen only, no
 peers (bench_backward.py compares with torch and SDPA). Each case (bf16, H=16,
 B x L = 16k tokens) runs ``torch.autograd.grad`` on one saved forward, 5 times to
-warm up and then 30 times with CUDA events around each kernel launch; the medians
-are printed per kernel. ``--row KERNEL=BLOCK_M,BLOCK_N,WARPS,STAGES`` replaces that
-kernel's row of the tile table (``flexgen.runtime.tuning.TUNED``) for this GPU's name.
+warm up and then 30 times with CUDA events around each kernel launch and around the
+whole backward; the medians are printed per kernel (dq, dkdv) and for the whole
+call ("all": with the host work and the small ops between the kernels). ``--row KERNEL=BLOCK_M,BLOCK_N,WARPS,STAGES``
+replaces that kernel's row of the tile table (``flexgen.runtime.tuning.TUNED``) for
+this GPU's name; ``--options`` passes kernel_options to every call.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -45,6 +49,7 @@ def main(argv=None) -> int:
     ap.add_argument("--row", action="append", default=[], type=parse_row,
                     help="KERNEL=BLOCK_M,BLOCK_N,WARPS,STAGES (repeatable)")
     ap.add_argument("--label", default="flexgen")
+    ap.add_argument("--options", type=json.loads, default=None, help="kernel_options as JSON")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("backward_kernels.py times GPU kernels: it needs a CUDA device", file=sys.stderr)
@@ -79,17 +84,22 @@ def main(argv=None) -> int:
         block_mask = (flexgen.create_block_mask(mask_mod, mask_batch, None, L, L, device=device)
                       if mask_mod else None)
         dout = torch.randn_like(q)
-        out = flexgen.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
+        out = flexgen.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                     kernel_options=args.options)
         for _ in range(5):
             torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
         torch.cuda.synchronize()
         events.clear()
         for _ in range(30):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
             torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+            end.record()
+            events.setdefault("all", []).append((start, end))
         torch.cuda.synchronize()
         ms = {part: statistics.median(s.elapsed_time(e) for s, e in pairs) for part, pairs in events.items()}
-        print(f"[{args.label}] D={D} {variant:15s} L={L:6d} dq {ms['dq']:7.3f} ms  "
-              f"dkdv {ms['dkdv']:7.3f} ms  sum {ms['dq'] + ms['dkdv']:7.3f}", flush=True)
+        parts = "  ".join(f"{p} {ms[p]:7.3f}" for p in ("dq", "dkdv", "all") if p in ms)
+        print(f"[{args.label}] D={D} {variant:15s} L={L:6d} {parts} ms", flush=True)
         del out
     return 0
 
