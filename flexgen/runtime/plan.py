@@ -469,7 +469,8 @@ def plan_backward(plan: AttentionPlan, query, key, value, grad_slots: tuple):
         head_dim = max(plan.D, plan.Dv)
         dq, dkdv = (tiles(kernel, opts, part, head_dim, DTYPES[plan.dtype], plan.device,
                           sparse_q, sparse_kv)
-                    for kernel, part in (("backward.dq", "dq"), ("backward.dkdv", "dkdv")))
+                    for kernel, part in (("backward.dq:scatter" if grad_slots else "backward.dq", "dq"),
+                                         ("backward.dkdv", "dkdv")))
         use_tma = plan.use_tma
         bw = backward_specs(
             plan.score_traced, plan.mask, grad_slots, qk_head=plan.D, v_head=plan.Dv,

@@ -33,7 +33,8 @@ import torch
 
 from ..codegen.spec import KernelSpec, pad_head_dim
 
-KERNELS = ("forward", "forward:transcendental", "forward:dense", "backward.dq", "backward.dkdv")
+KERNELS = ("forward", "forward:transcendental", "forward:dense", "backward.dq", "backward.dq:scatter",
+           "backward.dkdv")
 FIELDS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "num_warps": "num_warps",
           "num_stages": "num_stages"}
 
@@ -79,6 +80,11 @@ TUNED: dict = {
     ("forward:dense", "H100", "bfloat16", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2),
     ("backward.dq", "H100", "bfloat16", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),     # 0%
     ("backward.dq", "H100", "bfloat16", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),   # 11-13%
+    # A dQ kernel that also scatters captured tensors' gradients (which the autotuner cannot
+    # search: its atomics would add once per candidate): with a learned rel[h, q - kv] under a
+    # document mask (B=2, H=8, 4k) 0.383 ms against 0.501 for the row above (32x64 0.391,
+    # 64x32 0.406, 128x32 0.455; results/bias_tiles_h100_20261125.txt).
+    ("backward.dq:scatter", "H100", "bfloat16", 128): dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=3),
     # Once the backward dropped its bounds checks for block-aligned lengths (EVEN), 128x64 ran
     # 16% slower than 64x64 on full and 6% faster on causal, 16k (results/ab_backward_even_h100_20261123.log).
     ("backward.dkdv", "H100", "bfloat16", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
