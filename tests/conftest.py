@@ -24,12 +24,13 @@ Triton's own disk cache makes a re-run cheap.
 Where it compiles. A cold compile takes about a second, ~800 of them most of a
 CI run, and the tests themselves run serially: so by default one worker process
 compiles the kernels of test N while test N+1 runs on the other core. Workers are
-'spawn'ed (the test process has torch's threads, which fork would copy
-mid-flight) when the session starts, so they inherit the session's environment
-(this module's FLEXGEN_CACHE_DIR, Triton's cache dir, the PYTHONPATH that picks
-the Triton under test) and not a test's monkeypatched one. What crosses is small
-and picklable: the spec, the argument types as strings (``aot.arg_types``) and
-the constexprs; the worker renders the module from the spec as this process does.
+started with 'spawn' (a child forked from a process with torch's threads would
+inherit their locks in whatever state they were) when the session starts, so they
+see the session's environment (this module's FLEXGEN_CACHE_DIR, Triton's cache
+dir, the PYTHONPATH that picks the Triton under test), not a test's monkeypatched
+one. What crosses is small and picklable: the spec, the argument types as strings
+(``aot.arg_types``) and the constexprs; the worker renders the module from the
+spec as this process does.
 
 How a failure is reported. A kernel whose failure is known when its test ends
 fails that test's call, as without workers. A test that ends while its kernels
