@@ -11,21 +11,48 @@ Environment (set here, before flexgen is imported):
   seed torch; every test draws its own random inputs, reproducibly.
 - ``FLEXGEN_TEST_AOT=0`` skips the sm_90 compile check (for quick local runs;
   CI keeps it on).
+- ``FLEXGEN_TEST_AOT_WORKERS`` (default 1): worker processes for the sm_90 compile
+  check (below); 0 compiles in the test process, right after each test body.
 
 AOT check: every kernel launched while a test runs (``flexgen.runtime.launch.RECORDED``)
-is compiled for Hopper with ``flexgen.runtime.aot.compile_launch`` right after the test
-body, once per distinct (spec key, argument types) in the session. A compile
-error fails the test that launched the kernel (and every later test that
-launches the same kernel), whatever the order tests run in and whichever
-subset is selected. Triton's own disk cache makes a re-run cheap.
+is compiled for Hopper (``flexgen.runtime.aot.check_compiles``), once per distinct
+(spec key, argument types, constexprs) in the session. A compile error fails the
+test that launched the kernel (and every later test that launches the same
+kernel), whatever the order tests run in and whichever subset is selected.
+Triton's own disk cache makes a re-run cheap.
+
+Where it compiles. A cold compile takes about a second, ~800 of them most of a
+CI run, and the tests themselves run serially: so by default one worker process
+compiles the kernels of test N while test N+1 runs on the other core. Workers are
+started with 'spawn' (a child forked from a process with torch's threads would
+inherit their locks in whatever state they were) when the session starts, so they
+see the session's environment (this module's FLEXGEN_CACHE_DIR, Triton's cache
+dir, the PYTHONPATH that picks the Triton under test), not a test's monkeypatched
+one. What crosses is small and picklable: the spec, the argument types as strings
+(``aot.arg_types``) and the constexprs; the worker renders the module from the
+spec as this process does.
+
+How a failure is reported. A kernel whose failure is known when its test ends
+fails that test's call, as without workers. A test that ends while its kernels
+are still compiling cannot fail its own call any more: when all its results are
+in (checked after every test; every outstanding one is awaited before the
+session ends), a failure is logged as that test's failed teardown ("ERROR at
+teardown of <test>", naming the kernel and the compiler's error), which counts
+like any failure: the exit status, ``-x``. This keeps each failure on the test
+that launched the kernel, never on whichever test happened to run when the
+result came in, and none can be lost by the session ending first.
 """
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
+import multiprocessing
 import os
 import shutil
 import sys
 import tempfile
+import time
+import warnings
 import zlib
 
 _SESSION_DIR = tempfile.mkdtemp(prefix="flexgen-tests-")
@@ -49,6 +76,7 @@ poison.ENABLED = True
 
 SEED = int(os.environ.get("FLEXGEN_TEST_SEED", "0"))
 AOT_ENABLED = os.environ.get("FLEXGEN_TEST_AOT", "1") != "0"
+AOT_WORKERS = int(os.environ.get("FLEXGEN_TEST_AOT_WORKERS", "1"))
 
 # Absolute tolerances against the float64 oracle, by input dtype. Outputs are
 # convex combinations of V rows (|v| ~ 1), so absolute error is the right measure.
@@ -58,7 +86,7 @@ RTOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 
 def pytest_report_header(config):
     return [f"flexgen: cache {os.environ['FLEXGEN_CACHE_DIR']}, seed {SEED}, "
-            f"sm_90 AOT check {'on' if AOT_ENABLED else 'OFF'}"]
+            f"sm_90 AOT check {f'on, {AOT_WORKERS} worker(s)' if AOT_ENABLED else 'OFF'}"]
 
 
 @pytest.fixture(autouse=True)
@@ -69,50 +97,141 @@ def _seed(request):
 
 # --- ahead-of-time compile check ----------------------------------------------------
 
-# (spec key, argument types) -> None when it compiled, else the error text.
+# (spec key, argument types, constexprs) -> a future of (None or the error text, CPU
+# seconds): the session's one compile of each, in a worker or in this process.
 _AOT_RESULTS: dict = {}
-AOT_STATS = {"compiled": 0, "seconds": 0.0}
+AOT_STATS = {"waited": 0.0}     # wall seconds this process spent waiting for compiles
+_AOT_POOL: list = []            # the worker pool while the session runs (none with 0 workers)
+# Tests that ended before all their kernels had compiled: [(item, [(spec, future)])].
+_AOT_LATE: list = []
 
 
-def _arg_types(args) -> tuple:
-    return tuple(str(a.dtype) if isinstance(a, torch.Tensor) else type(a).__name__ for a in args)
+def _compile(spec, args, constexprs, pool=None):
+    """The session's compile of one recorded launch: (future, whether it is new). A new one
+    runs in ``pool``, or here and now."""
+    types = aot.arg_types(args)
+    # constexprs too: EVEN_KV and friends select different code in one spec.
+    key = (spec.key, types, tuple(sorted((k, repr(v)) for k, v in constexprs.items())))
+    future = _AOT_RESULTS.get(key)
+    if future is not None:          # done, or still compiling in a worker: never twice
+        return future, False
+    if pool is not None:
+        future = pool.submit(aot.check_compiles, spec, types, constexprs)
+    else:
+        start = time.perf_counter()
+        future = concurrent.futures.Future()
+        future.set_result(aot.check_compiles(spec, types, constexprs))
+        AOT_STATS["waited"] += time.perf_counter() - start
+    _AOT_RESULTS[key] = future
+    return future, True
+
+
+def _error(future) -> str | None:
+    """A compile's outcome, waited for: None, or the error text."""
+    if not future.done():
+        start = time.perf_counter()
+        concurrent.futures.wait([future])
+        AOT_STATS["waited"] += time.perf_counter() - start
+    try:
+        return future.result()[0]
+    except Exception as exc:  # the worker died, or the launch did not pickle: a failure too
+        return f"in the compile worker: {type(exc).__name__}: {exc}"
+
+
+def _fail_on_errors(compiles, when="") -> None:
+    """``pytest.fail`` naming each kernel of ``compiles`` [(spec, future)] that did not compile."""
+    failures = {}
+    for spec, future in compiles:
+        error = _error(future)
+        if error is not None:
+            failures.setdefault(spec.key, (spec, error))
+    if failures:
+        lines = [f"ahead-of-time compile for sm_90 failed for {len(failures)} kernel(s){when}:"]
+        for spec, error in failures.values():
+            lines.append(f"- {spec.kernel_name} (template {spec.template!r}): {error[-3000:]}")
+        pytest.fail("\n".join(lines), pytrace=False)
 
 
 def compile_error(spec, args, constexprs) -> str | None:
-    """Compile one recorded launch for sm_90 (memoized): None, or the compiler's error text."""
-    import time
-    # constexprs too: EVEN_KV and friends select different code in one spec.
-    key = (spec.key, _arg_types(args), tuple(sorted((k, repr(v)) for k, v in constexprs.items())))
-    if key not in _AOT_RESULTS:
-        start = time.perf_counter()
-        try:
-            aot.compile_launch(spec, args, constexprs)
-            _AOT_RESULTS[key] = None
-        except Exception as exc:  # any compiler error is a test failure
-            _AOT_RESULTS[key] = f"{type(exc).__name__}: {exc}"
-        AOT_STATS["compiled"] += 1
-        AOT_STATS["seconds"] += time.perf_counter() - start
-    return _AOT_RESULTS[key]
+    """Compile one recorded launch for sm_90 now (memoized): None, or the compiler's error text."""
+    return _error(_compile(spec, args, constexprs)[0])
 
 
 def compile_recorded(recorded) -> int:
-    """Compile each recorded launch for sm_90 (memoized); fail the test on an error.
+    """Compile each recorded launch for sm_90 now (memoized); fail the test on an error.
 
     Returns the number of kernels newly compiled.
     """
-    new, failures = 0, []
+    new, compiles = 0, []
     for spec, args, constexprs in recorded:
-        before = AOT_STATS["compiled"]
-        error = compile_error(spec, args, constexprs)
-        new += AOT_STATS["compiled"] - before
-        if error is not None and spec.key not in (f[0] for f in failures):
-            failures.append((spec.key, spec.kernel_name, spec.template, error))
-    if failures:
-        lines = [f"ahead-of-time compile for sm_90 failed for {len(failures)} kernel(s):"]
-        for _, name, template, error in failures:
-            lines.append(f"- {name} (template {template!r}): {error[-3000:]}")
-        pytest.fail("\n".join(lines), pytrace=False)
+        future, is_new = _compile(spec, args, constexprs)
+        new += is_new
+        compiles.append((spec, future))
+    _fail_on_errors(compiles)
     return new
+
+
+def _submit_recorded(item, recorded) -> None:
+    """Hand the test's new launches to the workers; fail it now on what is already known."""
+    done, pending = [], []
+    for spec, args, constexprs in recorded:
+        future = _compile(spec, args, constexprs, _AOT_POOL[0])[0]
+        (done if future.done() else pending).append((spec, future))
+    if pending:
+        _AOT_LATE.append((item, pending))
+    _fail_on_errors(done)
+
+
+def _report_late(wait: bool) -> None:
+    """Log a failed teardown for each test in ``_AOT_LATE`` whose kernels did not all compile,
+    once all its results are in (``wait``: waiting for them)."""
+    for entry in list(_AOT_LATE):
+        item, compiles = entry
+        if not wait and not all(future.done() for _, future in compiles):
+            continue
+        _AOT_LATE.remove(entry)
+        call = pytest.CallInfo.from_call(
+            lambda: _fail_on_errors(compiles, " (compiled in a worker after the test ended)"),
+            when="teardown")
+        if call.excinfo is not None:    # what pytest's own runner does with a phase's outcome
+            report = item.ihook.pytest_runtest_makereport(item=item, call=call)
+            item.ihook.pytest_runtest_logreport(report=report)
+
+
+def pytest_sessionstart(session):
+    if AOT_ENABLED and AOT_WORKERS > 0:
+        # Warnings off in the workers: they would print raw into the progress line. The
+        # same compile warnings show in pytest's summary from this process's own compiles.
+        pool = concurrent.futures.ProcessPoolExecutor(
+            AOT_WORKERS, mp_context=multiprocessing.get_context("spawn"),
+            initializer=warnings.simplefilter, initargs=("ignore",))
+        # Start every worker now, under the session's environment (the pool starts them on
+        # demand). Cheap: a worker imports torch, Triton and flexgen at its first compile.
+        for _ in range(AOT_WORKERS):
+            pool.submit(int)
+        _AOT_POOL.append(pool)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    result = yield
+    if _AOT_POOL:
+        _report_late(wait=False)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtestloop(session):
+    try:
+        return (yield)
+    except KeyboardInterrupt:
+        if _AOT_POOL:               # no waiting for a backlog of compiles nobody wants now
+            _AOT_POOL.pop().shutdown(wait=False, cancel_futures=True)
+        raise
+    finally:
+        if _AOT_POOL:               # every outstanding result, before the session's verdict
+            _report_late(wait=True)
+            _AOT_POOL.pop().shutdown()
 
 
 # Every launch of the session, by test module: (spec, args, constexprs).
@@ -125,15 +244,10 @@ def assert_module_launches_compile(module_name: str, templates: set) -> None:
     launches = launches_of(module_name)
     if not launches:
         pytest.skip("no launches recorded (run the whole module)")
-    seen = set()
     for spec, args, constexprs in launches:
-        signature = tuple(aot._arg_type(a) for a in args)
-        key = (spec.key, tuple(sorted(constexprs.items())), signature)
-        if key in seen:
-            continue
-        seen.add(key)
-        compiled = aot.compile_launch(spec, args, constexprs)
-        assert compiled.asm.get("cubin"), f"no cubin for {spec.kernel_name}"
+        # the session's memo: a kernel a worker compiled (or is compiling) is not compiled again
+        error = compile_error(spec, args, constexprs)
+        assert error is None, f"sm_90 compile of {spec.kernel_name} failed: {error[-3000:]}"
     assert {s.template for s, _, _ in launches} >= templates
 
 
@@ -152,7 +266,10 @@ def pytest_runtest_call(item):
         launch.RECORDED = previous
     _LAUNCHES_BY_MODULE.setdefault(item.module.__name__, []).extend(recorded)
     if AOT_ENABLED and recorded and not item.get_closest_marker("no_aot"):
-        compile_recorded(recorded)
+        if _AOT_POOL:
+            _submit_recorded(item, recorded)
+        else:
+            compile_recorded(recorded)
     return result
 
 
@@ -162,10 +279,14 @@ def pytest_configure(config):
 
 
 def pytest_terminal_summary(terminalreporter):
-    if AOT_STATS["compiled"]:
+    if _AOT_RESULTS:
+        seconds = sum(f.result()[1] for f in _AOT_RESULTS.values()
+                      if f.done() and not f.cancelled() and f.exception() is None)
+        where = f"{AOT_WORKERS} worker process(es)" if AOT_WORKERS else "the test process"
         terminalreporter.write_line(
-            f"flexgen: compiled {AOT_STATS['compiled']} distinct kernel launches for sm_90 "
-            f"in {AOT_STATS['seconds']:.1f}s with triton {triton.__version__}")
+            f"flexgen: compiled {len(_AOT_RESULTS)} distinct kernel launches for sm_90 "
+            f"in {seconds:.1f}s of CPU with triton {triton.__version__} in {where}; "
+            f"the tests waited {AOT_STATS['waited']:.1f}s for them")
 
 
 # --- inputs and comparison with the oracle -------------------------------------------

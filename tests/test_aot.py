@@ -1,10 +1,11 @@
 """The ahead-of-time compile check that conftest runs after every test.
 
 conftest records each launch (``flexgen.runtime.launch.RECORDED``) while a test runs
-and compiles every new kernel for sm_90 with ``flexgen.runtime.aot.compile_launch``;
-a compile error fails the test. These tests check the pieces: recording is on
-inside a test, a real kernel compiles to sm_90 code, a broken one fails the
-check (and keeps failing it), and the memo avoids compiling a kernel twice.
+and compiles every new kernel for sm_90 (``flexgen.runtime.aot.check_compiles``, in a
+worker process by default); a compile error fails the test. These tests check the
+pieces: recording is on inside a test, a real kernel compiles to sm_90 code, a broken
+one fails the check (and keeps failing it), a worker sends its error back, and the
+memo avoids compiling a kernel twice.
 """
 from __future__ import annotations
 
@@ -69,6 +70,17 @@ def test_broken_kernel_fails_the_check():
     for _ in range(2):   # memoized failures keep failing every test that launches the kernel
         with pytest.raises(pytest.fail.Exception, match="(?s)sm_90.*" + broken.kernel_name):
             compile_recorded([(broken, args, constexprs)])
+
+
+@pytest.mark.skipif(not conftest._AOT_POOL, reason="no compile workers (FLEXGEN_TEST_AOT_WORKERS=0)")
+def test_a_worker_sends_back_a_broken_kernels_error():
+    """What the pool does with every launch: the spec, argument types and constexprs cross to
+    a worker process, which renders the module itself and returns the compiler's error text."""
+    (spec, args, constexprs), _ = one_launch()
+    broken = dataclasses.replace(spec, score=Snippet((), "qk + not_defined_in_a_worker", "float"))
+    future, new = conftest._compile(broken, args, constexprs, conftest._AOT_POOL[0])
+    assert new
+    assert "not_defined_in_a_worker" in conftest._error(future)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

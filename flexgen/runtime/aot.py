@@ -9,6 +9,7 @@ kernel here for Hopper (sm_90).
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 import triton
@@ -51,8 +52,20 @@ def _arg_type(value) -> str:
     raise TypeError(f"no Triton type for kernel argument {value!r}")
 
 
+def arg_types(args) -> tuple:
+    """The Triton types of a launch's arguments, as strings ("*bf16", "i32", "tensordesc<...>"):
+    all the compile reads of them (``compile_signature``)."""
+    return tuple(_arg_type(a) for a in args)
+
+
 def compile_launch(spec, args, constexprs, target=HOPPER):
     """Compile the kernel of ``spec`` for ``target`` with the argument types of one launch."""
+    return compile_signature(spec, arg_types(args), constexprs, target)
+
+
+def compile_signature(spec, types, constexprs, target=HOPPER):
+    """Compile the kernel of ``spec`` for ``target`` with the argument types ``types`` (strings,
+    ``arg_types``). Everything it takes is small and picklable, so another process can run it."""
     module = cache.load(spec, interpret=False)
     kernel = module.KERNEL
     names = kernel.arg_names
@@ -61,10 +74,10 @@ def compile_launch(spec, args, constexprs, target=HOPPER):
     if "EXACT_SIGMOID" in names:
         # tanh.approx for half inputs, as the GPU runs it (launch._launch_once)
         constexprs = dict(constexprs, EXACT_SIGMOID=not cache.half_inputs(spec))
-    if len(args) + len(constexprs) != len(names):
-        raise ValueError(f"{spec.kernel_name}: a launch recorded {len(args)} arguments and "
+    if len(types) + len(constexprs) != len(names):
+        raise ValueError(f"{spec.kernel_name}: a launch recorded {len(types)} arguments and "
                          f"{len(constexprs)} constexprs, the kernel takes {len(names)}")
-    signature = {name: _arg_type(a) for name, a in zip(names, args)}
+    signature = dict(zip(names, types))
     signature.update({name: "constexpr" for name in constexprs})
     gluon = getattr(kernel, "is_gluon", lambda: False)()
     source = (GluonASTSource if gluon else ASTSource)(fn=kernel, signature=signature,
@@ -72,6 +85,26 @@ def compile_launch(spec, args, constexprs, target=HOPPER):
     options = {"num_warps": module.NUM_WARPS, "num_stages": getattr(module, "NUM_STAGES", 1)}
     compiler_key.install()
     return triton.compile(source, target=target, options=options)
+
+
+def check_compiles(spec, types, constexprs) -> tuple:
+    """``compile_signature`` for Hopper, reporting instead of raising: (None, or the error as
+    text; CPU seconds taken, ptxas's included). The test suite runs it in worker processes
+    (tests/conftest.py): an exception object need not pickle, its text does."""
+    start = _cpu_seconds()
+    try:
+        compiled = compile_signature(spec, types, constexprs)
+        error = None if compiled.asm.get("cubin") else "ptxas produced no cubin"
+    except Exception as exc:  # any compiler error is the answer, not a crash of the worker
+        error = f"{type(exc).__name__}: {exc}"
+    return error, _cpu_seconds() - start
+
+
+def _cpu_seconds() -> float:
+    """This process's CPU time and its finished children's (Triton runs ptxas as one)."""
+    import resource     # POSIX only, as is Triton's compiler
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
 
 
 @contextlib.contextmanager
