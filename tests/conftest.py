@@ -11,8 +11,10 @@ Environment (set here, before flexgen is imported):
   seed torch; every test draws its own random inputs, reproducibly.
 - ``FLEXGEN_TEST_AOT=0`` skips the sm_90 compile check (for quick local runs;
   CI keeps it on).
-- ``FLEXGEN_TEST_AOT_WORKERS`` (default 1): worker processes for the sm_90 compile
-  check (below); 0 compiles in the test process, right after each test body.
+- ``FLEXGEN_TEST_AOT_WORKERS`` (default 2): worker processes for the sm_90 compile
+  check (below); 0 compiles in the test process, right after each test body. Two on a
+  2-core machine keep both cores busy through the compiles' tail: the whole suite with
+  Triton 3.9 took 896 s with two, 1495 s with one (another load on the machine then).
 
 AOT check: every kernel launched while a test runs (``flexgen.runtime.launch.RECORDED``)
 is compiled for Hopper (``flexgen.runtime.aot.check_compiles``), once per distinct
@@ -22,8 +24,8 @@ kernel), whatever the order tests run in and whichever subset is selected.
 Triton's own disk cache makes a re-run cheap.
 
 Where it compiles. A cold compile takes about a second, ~800 of them most of a
-CI run, and the tests themselves run serially: so by default one worker process
-compiles the kernels of test N while test N+1 runs on the other core. Workers are
+CI run, and the tests themselves run serially: so by default two worker processes
+compile the kernels of test N while test N+1 runs. Workers are
 started with 'spawn' (a child forked from a process with torch's threads would
 inherit their locks in whatever state they were) when the session starts, so they
 see the session's environment (this module's FLEXGEN_CACHE_DIR, Triton's cache
@@ -76,7 +78,7 @@ poison.ENABLED = True
 
 SEED = int(os.environ.get("FLEXGEN_TEST_SEED", "0"))
 AOT_ENABLED = os.environ.get("FLEXGEN_TEST_AOT", "1") != "0"
-AOT_WORKERS = int(os.environ.get("FLEXGEN_TEST_AOT_WORKERS", "1"))
+AOT_WORKERS = int(os.environ.get("FLEXGEN_TEST_AOT_WORKERS", "2"))
 
 # Absolute tolerances against the float64 oracle, by input dtype. Outputs are
 # convex combinations of V rows (|v| ~ 1), so absolute error is the right measure.
