@@ -459,3 +459,33 @@ def test_gluon_kernel_compiles_in_debug_mode(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=600, cwd=str(tmp_path))
     assert done.returncode == 0 and "debug ok" in done.stdout, done.stderr[-3000:]
+
+
+@needs_hopper
+def test_replayed_gluon_launches_match_fresh_ones(monkeypatch):
+    """A repeated call replays the Gluon forward with copies of its TMA descriptors over the
+    new tensors (and the backward its kernels): the outputs and gradients equal those of
+    launches made without replays."""
+    from flexgen.runtime import launch
+    monkeypatch.setattr(launch, "RECORDED", None)       # (the suite's AOT record)
+    mask = create_block_mask(M.causal_mask, None, None, 512, 512, device="cuda")
+    inputs = [make_qkv(B=2, H=4, Hkv=2, L=512, D=128, dtype=torch.bfloat16, device="cuda")
+              for _ in range(2)]
+
+    def run(i):
+        q, k, v = (t.clone().requires_grad_() for t in inputs[i])
+        out = flex_attention(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=GLUON)
+        return (out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+
+    replays = []
+    real_replay, real_run = launch.Replay.launch, launch.run
+    monkeypatch.setattr(launch.Replay, "launch", lambda self, *t: replays.append(self) or real_replay(self, *t))
+    run(0)
+    replayed = run(1)
+    assert len(replays) == 3               # the forward, dQ and dK/dV kernels
+    monkeypatch.setattr(launch, "run", lambda *a, **kw: real_run(*a, **{**kw, "replay": ()}))
+    for plan in plan_module._ATTENTION.values():
+        plan.replays.clear()
+    fresh = run(1)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), replayed, fresh):
+        assert torch.equal(a, b), name
