@@ -48,9 +48,9 @@ from triton.compiler.errors import CompilationError
 from ..codegen.spec import KernelSpec, tma_addressable
 from ..errors import expected
 from ..frontend.lowering import lower
-from ..runtime import launch, tuning
+from ..runtime import launch
 from ..runtime.poison import poison
-from .forward import MAX_REPLAYS, replay_key
+from .forward import remember, replay, replay_key
 
 
 @dataclass(frozen=True)
@@ -228,17 +228,11 @@ class _Launcher:
                     tuple(None if t is None else (t.shape, t.stride()) for t in fresh))
 
     def __call__(self, spec, inputs, tune_blocks=None) -> None:
-        replays = self.plan.replays
         key = (spec.kernel_name, *self.key)
-        found = replays.get(key)
-        if found is not None and not tuning.needs_lookup() and found(*self.fresh):
-            return
-        launched = launch.run(spec, inputs["q"].device, inputs, tune_blocks=tune_blocks,
-                              replay=self.fresh, origins=self.origins)
-        if launched is not None:
-            if len(replays) >= MAX_REPLAYS:
-                replays.clear()
-            replays[key] = launched
+        if not replay(self.plan, key, self.fresh):
+            launched = launch.run(spec, inputs["q"].device, inputs, tune_blocks=tune_blocks,
+                                  replay=self.fresh, origins=self.origins)
+            remember(self.plan, key, launched)
 
 
 # Keys of Gluon dK/dV specs that failed to compile with this Triton (AUTO then runs the tl

@@ -54,7 +54,8 @@ def run_forward(plan, query, key, value, score_buffers, mask_buffers, block_list
     others = replay_key(score_buffers, mask_buffers, block_lists[:4], *extra.values())
     origins = tuple(t for t in (*score_buffers, *mask_buffers, *block_lists[:4], *extra.values())
                     if isinstance(t, torch.Tensor))
-    if not replay(plan, spec, others, leading):
+    # Only the plan's own kernel replays (not its pointer variant, nor a fallback's).
+    if not (spec is plan.spec and replay(plan, others, leading)):
         inputs = dict(q=query, k=key, v=value, out=out, lse=lse, sparse=sparse,
                       score_buffers=score_buffers, mask_buffers=mask_buffers, scale=plan.scale,
                       max_scores=max_scores, **extra)
@@ -66,7 +67,8 @@ def run_forward(plan, query, key, value, score_buffers, mask_buffers, block_list
                 raise
             spec = _gluon_failed(plan, err)
             launched = launch.run(spec, device, inputs, replay=leading, origins=origins)
-        remember(plan, spec, others, launched)
+        if spec is plan.spec:
+            remember(plan, others, launched)
     return out, lse, _placeholder(max_scores, device)
 
 
@@ -102,20 +104,20 @@ def replay_key(score_buffers, mask_buffers, lists, *extra) -> tuple:
             *map(_where, lists), *extra)
 
 
-def replay(plan, spec, others, leading) -> bool:
-    """Relaunch the plan's earlier launch with the same ``others`` on new ``leading`` tensors
-    (False where there is none, or the Replay declines: then launch as usual)."""
-    found = plan.replays.get(others)
-    return (found is not None and spec is plan.spec and not tuning.needs_lookup()
-            and found(*leading))
+def replay(plan, key, fresh) -> bool:
+    """Relaunch the plan's launch kept under ``key`` with the call's ``fresh`` tensors (False
+    where there is none, or the Replay declines: then launch as usual). The forward's keys are
+    ``replay_key``s, the backward's start with the kernel's name."""
+    found = plan.replays.get(key)
+    return found is not None and not tuning.needs_lookup() and found(*fresh)
 
 
-def remember(plan, spec, others, launched) -> None:
-    """Keep ``launched`` (a Replay or None) for the next call with the same ``others``."""
-    if spec is plan.spec and launched is not None:
+def remember(plan, key, launched) -> None:
+    """Keep ``launched`` (a Replay or None) for the next call with the same ``key``."""
+    if launched is not None:
         if len(plan.replays) >= MAX_REPLAYS:
             plan.replays.clear()
-        plan.replays[others] = launched
+        plan.replays[key] = launched
 
 
 def _placeholder(t, device) -> torch.Tensor:
