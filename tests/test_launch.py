@@ -18,7 +18,7 @@ import triton
 import flexgen
 from flexgen import api
 from flexgen import mods as M
-from flexgen.runtime import launch
+from flexgen.runtime import driver, launch
 from flexgen.errors import InputError
 from flexgen.codegen.spec import KernelSpec
 
@@ -51,6 +51,9 @@ class FakeKernel:
 @pytest.fixture
 def fake_gpu(monkeypatch):
     launch._COMPILED.clear()
+    # The fake kernel has no cubin: Triton's JIT path (flexgen.runtime.driver is tested
+    # in tests/test_driver.py and on the GPU).
+    monkeypatch.setattr(driver, "ENABLED", False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)      # a replay's check
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 1234, raising=False)
@@ -232,10 +235,11 @@ def test_replay_of_tma_descriptors_copies_them_with_the_new_tensor(fake_gpu, mon
         return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, 16, 16])
 
     monkeypatch.setattr(launch, "_launch", lambda spec, device, inputs: (
-        kernel.compiled, (1,), [descriptor(inputs["x"]), inputs["x"], descriptor(other), 3], (), 0))
+        launch._TritonLauncher(kernel.compiled, ()), (1,),
+        [descriptor(inputs["x"]), inputs["x"], descriptor(other), 3], 0))
     assert launch.run(SPEC, cuda, dict(x=t), replay=(t,)) is None
     monkeypatch.setattr(launch, "_launch", lambda spec, device, inputs: (
-        kernel.compiled, (1,), [descriptor(inputs["x"]), inputs["x"], 3], (), 0))
+        launch._TritonLauncher(kernel.compiled, ()), (1,), [descriptor(inputs["x"]), inputs["x"], 3], 0))
     replay = launch.run(SPEC, cuda, dict(x=t), replay=(t,))
     y = torch.ones(1, 1, 16, 16)
     assert replay(y)
@@ -433,7 +437,7 @@ def _fake_forward_launches(kernel, monkeypatch):
                 inputs["max_scores"] if inputs["max_scores"] is not None else inputs["lse"],
                 "strides", "lengths"]
         launched.append(args)
-        return kernel.compiled, (4, 2), args, ("tail",), 0
+        return launch._TritonLauncher(kernel.compiled, ("tail",)), (4, 2), args, 0
     monkeypatch.setattr(launch, "_launch", fake_launch)
     return launched
 

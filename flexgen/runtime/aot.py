@@ -18,7 +18,7 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import mangle_type
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..runtime import compiler_key, launch
+from ..runtime import compiler_key, driver, launch
 from ..codegen import cache
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -89,12 +89,16 @@ def compile_signature(spec, types, constexprs, target=HOPPER):
 
 def check_compiles(spec, types, constexprs) -> tuple:
     """``compile_signature`` for Hopper, reporting instead of raising: (None, or the error as
-    text; CPU seconds taken, ptxas's included). The test suite runs it in worker processes
-    (tests/conftest.py): an exception object need not pickle, its text does."""
+    text; CPU seconds taken, ptxas's included). A kernel the driver launcher would decline
+    (``flexgen.runtime.driver.decline_reason``) is an error too. The test suite runs it in
+    worker processes (tests/conftest.py): an exception object need not pickle, its text does."""
     start = _cpu_seconds()
     try:
         compiled = compile_signature(spec, types, constexprs)
         error = None if compiled.asm.get("cubin") else "ptxas produced no cubin"
+        reason = None if error else driver.decline_reason(compiled, len(types))
+        if reason is not None:
+            error = f"flexgen's driver launcher would decline this kernel: {reason}"
     except Exception as exc:  # any compiler error is the answer, not a crash of the worker
         error = f"{type(exc).__name__}: {exc}"
     return error, _cpu_seconds() - start

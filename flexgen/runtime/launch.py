@@ -3,9 +3,11 @@
 Every launch goes through ``run`` so that the choice of interpreter, the
 optional recording of launches for ahead-of-time compilation checks
 (``flexgen.runtime.aot``), autotuned tiles, the step-down of tiles that do not fit
-and the warm path's shortcuts live in one place. Those shortcuts: after
-Triton's first launch of a specialization, later launches call the compiled
-kernel's C launcher directly (``_launch_compiled``), and a caller that
+and the warm path's shortcuts live in one place. On a GPU a kernel is compiled
+and launched through the CUDA driver API (``flexgen.runtime.driver``: no C
+launcher for gcc to build, no JIT binding per call), or where that declines
+through Triton's JIT; either way later launches of the same specialization
+call the loaded kernel directly (``_launch_compiled``), and a caller that
 repeats a planned call can ``Replay`` it with new leading tensors.
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..runtime import compiler_key, tuning
+from ..runtime import compiler_key, driver, tuning
 from ..codegen import cache
 from ..codegen.spec import KernelSpec
 
@@ -137,7 +139,7 @@ class Replay:
     """
 
     @classmethod
-    def of(cls, kernel, grid, args, tail, device_index, fresh, origins=()):
+    def of(cls, launcher, grid, args, device_index, fresh, origins=()):
         """The Replay of a launch, or None where an argument is a descriptor over a tensor
         that is not among ``fresh`` (it would have to be rebuilt)."""
         slots = {id(t): i for i, t in enumerate(fresh) if t is not None}
@@ -145,10 +147,10 @@ class Replay:
             base = getattr(a, "base", None)
             if isinstance(base, torch.Tensor) and id(base) not in slots:
                 return None
-        return cls(kernel, grid, args, tail, device_index, fresh, origins)
+        return cls(launcher, grid, args, device_index, fresh, origins)
 
-    def __init__(self, kernel, grid, args, tail, device_index, fresh, origins=()):
-        self.kernel, self.device_index = kernel, device_index
+    def __init__(self, launcher, grid, args, device_index, fresh, origins=()):
+        self.launcher, self.device_index = launcher, device_index
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.pattern = _pattern(fresh)
         self.classes = _arg_classes([t for t in fresh if t is not None])
@@ -161,7 +163,7 @@ class Replay:
         # at that address: a call with the same key has its tensors there. Any other is
         # held weakly: a Replay kept in a plan must not keep it alive (a CUDA graph's pool
         # refuses tensors that outlive its outputs, and a user's freed mask should be freed),
-        # and declines once it is gone. Triton reads each pointer through data_ptr() at launch.
+        # and declines once it is gone. The launcher reads each pointer through data_ptr().
         at = {o.data_ptr() for o in origins}
         rest = []
         for pos, a in enumerate(args):
@@ -175,7 +177,7 @@ class Replay:
             elif isinstance(a, torch.Tensor):
                 a = _Address(a.data_ptr()) if a.data_ptr() in at else _Weak(a)
             rest.append(a)
-        self.args = tuple(rest) + tuple(tail)
+        self.args = tuple(rest)
         self.weak = tuple(a.ref for a in self.args if type(a) is _Weak)
 
     def __call__(self, *tensors) -> bool:
@@ -200,9 +202,7 @@ class Replay:
             else:
                 args[pos] = copy.copy(descriptor)
                 object.__setattr__(args[pos], "base", tensors[i])
-        kernel, (g0, g1, g2) = self.kernel, self.grid
-        kernel.run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(self.device_index),
-                   kernel.function, kernel.packed_metadata, None, None, None, *args)
+        self.launcher.launch(self.grid, torch._C._cuda_getCurrentRawStream(self.device_index), args)
         return True
 
 
@@ -213,8 +213,8 @@ def _pattern(tensors) -> tuple:
 
 
 class _Weak:
-    """A kernel's tensor argument held by a weak reference: Triton's launcher takes any
-    object with ``data_ptr()``."""
+    """A kernel's tensor argument held by a weak reference: the launchers take any object
+    with ``data_ptr()``."""
     __slots__ = ("ref",)
 
     def __init__(self, t: torch.Tensor):
@@ -263,8 +263,8 @@ def _launch(spec: KernelSpec, device: torch.device, inputs):
 
 
 def _launch_once(spec: KernelSpec, device: torch.device, inputs):
-    """Launch once; on a GPU, returns (compiled kernel, grid, args, constexpr tail, device
-    index) of a launch that can be replayed, else None."""
+    """Launch once; on a GPU, returns (launcher, grid, args, device index) of a launch that
+    can be replayed, else None."""
     interpret = uses_interpreter(device)
     module = cache.load(spec, interpret=interpret)
     grid, args, constexprs = module.arguments(**inputs)
@@ -291,11 +291,26 @@ def _launch_once(spec: KernelSpec, device: torch.device, inputs):
 # each int is 1 or a multiple of 16) and looks the compiled kernel up: about
 # 30 us a call for ~40 arguments, more than the whole launch should take. Here
 # a launch's key is the argument classes Triton specializes on (computed in
-# plain Python, finer than Triton's), mapped to the compiled kernel Triton
-# returned the first time; later launches call its C launcher directly.
-# (spec key, device index, argument classes, constexpr values) -> (compiled kernel, constexpr tail)
+# plain Python, finer than Triton's), mapped to the launcher of the kernel
+# compiled the first time (a ``driver.Binary``, or Triton's own ``_TritonLauncher``).
+# (spec key, device index, argument classes, constexpr values) -> launcher
 _COMPILED: dict = {}
 _COMPILED_MAX = 1024
+
+
+class _TritonLauncher:
+    """A kernel Triton's JIT compiled, called through Triton's C launcher: every parameter
+    in signature order, the constexprs (``tail``) last."""
+    __slots__ = ("kernel", "tail")
+
+    def __init__(self, kernel, tail: tuple):
+        self.kernel, self.tail = kernel, tail
+
+    def launch(self, grid, stream: int, args) -> None:
+        g = tuple(grid) + (1, 1)
+        kernel = self.kernel
+        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata,
+                   None, None, None, *args, *self.tail)
 
 
 def _arg_classes(args) -> tuple | None:
@@ -345,36 +360,50 @@ def _current_device() -> int:
     return torch._C._cuda_getDevice()
 
 
+def _compile_hooks_idle() -> bool:
+    """No JIT compile hook is set (a tool watching Triton's compiles: then Triton's path runs)."""
+    hooks = triton.knobs.runtime
+    return hooks.jit_cache_hook is None and hooks.jit_post_compile_hook is None
+
+
 def _launch_compiled(spec: KernelSpec, module, grid, args, constexprs):
-    """Launch on the GPU; returns (kernel, grid, args, tail, device index) when the launch
-    went through a compiled kernel flexgen can call directly, else None."""
+    """Launch on the GPU; returns (launcher, grid, args, device index) when the launch went
+    through a launcher flexgen can call again directly, else None."""
     device_index = torch.cuda.current_device()
     classes = _arg_classes(args)
     key = None
     if classes is not None and _hooks_idle():
         key = (spec.key, device_index, classes, *constexprs.values())
-        hit = _COMPILED.get(key)
-        if hit is not None:
-            kernel, tail = hit
-            g = tuple(grid) + (1, 1)
-            kernel.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device_index),
-                       kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
-            return kernel, grid, args, tail, device_index
+        launcher = _COMPILED.get(key)
+        if launcher is None and driver.usable() and _compile_hooks_idle():
+            compiler_key.install()
+            compiled = driver.compile_for_device(module, args, constexprs, driver.target(device_index))
+            launcher = driver.Binary.of(compiled, len(args), device_index)
+            if launcher is not None:
+                _remember(key, launcher)
+        if launcher is not None:
+            launcher.launch(grid, torch._C._cuda_getCurrentRawStream(device_index), args)
+            return launcher, grid, args, device_index
     options = dict(num_warps=module.NUM_WARPS, num_stages=getattr(module, "NUM_STAGES", 1))
     compiler_key.install()
     kernel = module.KERNEL[grid](*args, **constexprs, **options)
     names = module.KERNEL.arg_names
     if key is not None and kernel is not None and set(names[len(args):]) == set(constexprs):
-        if len(_COMPILED) >= _COMPILED_MAX:
-            _COMPILED.clear()
         # The launcher takes every parameter in signature order; it skips the constexprs.
-        tail = tuple(constexprs[n] for n in names[len(args):])
-        _COMPILED[key] = (kernel, tail)
-        return kernel, grid, args, tail, device_index
+        launcher = _TritonLauncher(kernel, tuple(constexprs[n] for n in names[len(args):]))
+        _remember(key, launcher)
+        return launcher, grid, args, device_index
     return None
+
+
+def _remember(key, launcher) -> None:
+    if len(_COMPILED) >= _COMPILED_MAX:
+        _COMPILED.clear()
+    _COMPILED[key] = launcher
 
 
 def clear_memos() -> None:
     _COMPILED.clear()
+    driver.clear_memos()
     _FITS.clear()
     _INTERPRETED.clear()

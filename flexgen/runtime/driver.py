@@ -1,0 +1,377 @@
+"""Compile and launch generated kernels without Triton's launchers: the CUDA driver API.
+
+Triton 3.6 launches a kernel through a C extension it builds with gcc, one per
+kernel signature, and through a ``cuda_utils`` extension built the same way once
+per empty cache; its JIT also binds and specializes every call in Python. In a
+cold process those builds cost ~0.3-0.5 s each, a large part of a first call
+(issue: fast restarts). flexgen instead:
+
+- compiles with ``triton.compile`` after the JIT's own specialization rules
+  (``compile_for_device``: the binder Triton generates for the kernel, so the signature,
+  the divisibility attributes and the ints specialized to 1 are Triton's, and so
+  is the cache entry), never touching Triton's driver object;
+- loads the cubin with ``cuModuleLoadData`` and launches it with ``cuLaunchKernel``
+  through ctypes (``Binary``), the parameters packed with one ``struct.pack_into``.
+
+The parameter layout is Triton's launcher's: the arguments that are not
+constexprs, in order; a host TMA descriptor as its 128-byte ``CUtensorMap``
+followed by its shape (i32) and strides (i64); then the global and profile
+scratch pointers. ``Binary.of`` checks that layout against the kernel's PTX
+entry, parameter by parameter, and declines (None) anything it does not cover
+(a cluster or cooperative launch, a scratch buffer, a descriptor lowered to
+pointers, a Triton whose layout differs): the caller then launches through
+Triton's own path, as it does when a profiler's launch hook is set.
+
+``FLEXGEN_DRIVER_LAUNCH=0`` turns this off.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import struct
+import threading
+
+import torch
+
+ENABLED = os.environ.get("FLEXGEN_DRIVER_LAUNCH", "1") not in ("", "0")
+
+_CUDA: list = []            # [the loaded libcuda, or None where it cannot be loaded]
+_LOCK = threading.Lock()
+
+# CUDA driver enums (cuda.h)
+_FUNC_MAX_THREADS_PER_BLOCK = 0
+_FUNC_SHARED_SIZE_BYTES = 1
+_FUNC_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_DEVICE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
+_L2_PROMOTION_128B = 2
+_OOB_FILL_NAN = 1
+# Triton's TMA element types are numbered as on the device; the host enum swaps three.
+_TMA_HOST_TYPE = {**{i: i for i in range(16)}, 8: 10, 9: 8, 10: 9}
+_TMA_TF32 = 11
+
+
+def _cuda():
+    """libcuda through ctypes, or None where there is none (a CPU-only machine)."""
+    if not _CUDA:
+        with _LOCK:
+            if not _CUDA:
+                try:
+                    lib = ctypes.CDLL("libcuda.so.1")
+                except OSError:
+                    lib = None
+                if lib is not None:
+                    p, u, i = ctypes.c_void_p, ctypes.c_uint, ctypes.c_int
+                    lib.cuLaunchKernel.argtypes = [p, u, u, u, u, u, u, u, p, p, p]
+                    lib.cuModuleLoadData.argtypes = [ctypes.POINTER(p), ctypes.c_char_p]
+                    lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(p), p, ctypes.c_char_p]
+                    lib.cuFuncGetAttribute.argtypes = [ctypes.POINTER(i), i, p]
+                    lib.cuFuncSetAttribute.argtypes = [p, i, i]
+                    lib.cuDeviceGetAttribute.argtypes = [ctypes.POINTER(i), i, i]
+                    lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(p)]
+                    lib.cuCtxSetCurrent.argtypes = [p]
+                    lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(p), i]
+                    lib.cuGetErrorString.argtypes = [i, ctypes.POINTER(ctypes.c_char_p)]
+                    lib.cuTensorMapEncodeTiled.argtypes = [p, i, u, p, p, p, p, p, i, i, i, i]
+                _CUDA.append(lib)
+    return _CUDA[0]
+
+
+def usable() -> bool:
+    return ENABLED and _cuda() is not None
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        text = ctypes.c_char_p()
+        _cuda().cuGetErrorString(result, ctypes.byref(text))
+        message = text.value.decode() if text.value else f"error {result}"
+        raise RuntimeError(f"CUDA driver: {what} failed: {message}")
+
+
+# ----------------------------------------------------------------------------- compiling
+
+_TARGETS: dict = {}
+
+
+def target(device_index: int):
+    """Triton's compile target for a CUDA device (its capability; warps of 32)."""
+    found = _TARGETS.get(device_index)
+    if found is None:
+        from triton.backends.compiler import GPUTarget
+        major, minor = torch.cuda.get_device_capability(device_index)
+        found = _TARGETS[device_index] = GPUTarget("cuda", major * 10 + minor, 32)
+    return found
+
+
+def compile_for_device(module, args, constexprs: dict, target):
+    """Triton's compiled kernel of ``module.KERNEL`` for a launch with ``args`` and
+    ``constexprs`` on ``target``, specialized exactly as Triton's JIT would (its generated
+    binder and argument packing: the same kernel, the same cache entry)."""
+    import triton
+    from triton import knobs
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    kernel = module.KERNEL
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    options = dict(constexprs, num_warps=module.NUM_WARPS,
+                   num_stages=getattr(module, "NUM_STAGES", 1),
+                   debug=kernel.debug or knobs.runtime.debug,
+                   instrumentation_mode=knobs.compilation.instrumentation_mode)
+    bound, specialization, options_in = binder(*args, **options)
+    parsed, signature, fixed, attrs = kernel._pack_args(backend, options, bound, specialization,
+                                                        options_in)
+    source_class = ASTSource
+    if getattr(kernel, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as source_class
+    source = source_class(kernel, signature, fixed, attrs)
+    return triton.compile(source, target=target, options=parsed.__dict__)
+
+
+# ----------------------------------------------------------------------------- parameters
+
+_PTX_TYPES = {"8": 1, "16": 2, "32": 4, "64": 8}
+
+
+def ptx_params(ptx: str, name: str) -> list:
+    """(size, alignment) in bytes of each parameter of entry ``name`` in ``ptx``."""
+    entry = re.search(r"\.entry\s+" + re.escape(name) + r"\s*\(([^)]*)\)", ptx)
+    if entry is None:
+        return []
+    params = []
+    for text in entry.group(1).split(","):
+        kind = re.search(r"\.[usbf](8|16|32|64)\b", text)
+        if kind is None:
+            return []
+        size = _PTX_TYPES[kind.group(1)]
+        count = re.search(r"\[(\d+)\]", text)
+        align = re.search(r"^\s*\.param\s+\.align\s+(\d+)", text)
+        params.append((size * (int(count.group(1)) if count else 1),
+                       int(align.group(1)) if align else size))
+    return params
+
+
+# Triton's scalar types -> struct codes (little-endian, no implicit padding: '<')
+_SCALARS = {"i1": "B", "i8": "b", "u8": "B", "i16": "h", "u16": "H", "i32": "i", "u32": "I",
+            "i64": "q", "u64": "Q", "fp32": "f", "f32": "f", "fp64": "d"}
+
+
+def _layout(compiled, n_args: int):
+    """(struct format, offsets of the parameters, packing source lines) of a compiled kernel
+    whose first ``n_args`` arguments are the launch's; None where this module cannot
+    launch it (see the module docstring)."""
+    metadata = compiled.metadata
+    names = list(compiled.src.signature)
+    types = list(compiled.src.signature.values())
+    if len(names) < n_args or any(t != "constexpr" for t in types[n_args:]):
+        return None
+    descriptors = list(getattr(metadata, "tensordesc_meta", None) or [])
+    codes, lines, values = [], [], []
+    for i, ty in enumerate(types[:n_args]):
+        if not isinstance(ty, str):
+            return None                     # a tuple argument
+        if ty == "constexpr":
+            continue
+        if ty.startswith("*"):
+            codes.append("Q")
+            values.append(f"a[{i}].data_ptr()")
+        elif ty.startswith("tensordesc"):
+            if not descriptors:
+                return None                 # lowered to pointers: not this layout
+            meta = descriptors.pop(0)
+            if meta.get("fp4_padded") or meta.get("is_im2col"):
+                return None
+            rank = len(meta["block_size"])
+            codes += ["128s"] + ["i"] * rank + ["q"] * rank
+            lines.append(f"d{i} = _descriptor(a[{i}], _meta[{len(lines)}])")
+            values.append(f"*d{i}")
+        elif ty in _SCALARS:
+            codes.append(_SCALARS[ty])
+            values.append(f"a[{i}]")
+        else:
+            return None
+    if descriptors:
+        return None
+    codes += ["Q", "Q"]                     # global and profile scratch: none
+    values += ["0", "0"]
+    # Lay the parameters out at their alignments, and check them against the PTX entry.
+    expected = ptx_params(compiled.asm["ptx"], metadata.name)
+    if len(expected) != len(codes):
+        return None
+    fmt, offsets, offset = "<", [], 0
+    for code, (size, align) in zip(codes, expected):
+        if struct.calcsize("<" + code) != size:
+            return None
+        align = max(align, 64 if code == "128s" else 1)
+        pad = -offset % align
+        fmt += "x" * pad + code
+        offset += pad
+        offsets.append(offset)
+        offset += size
+    return fmt, offsets, lines, values
+
+
+def decline_reason(compiled, n_args: int) -> str | None:
+    """Why ``Binary.of`` would decline a compiled kernel launched with ``n_args`` positional
+    arguments (Triton's own launcher then runs it), or None. The test suite asks this of
+    every kernel it compiles for sm_90, so a kernel that would lose the fast path fails there."""
+    metadata = compiled.metadata
+    for name, fine in (("num_ctas", 1), ("global_scratch_size", 0), ("profile_scratch_size", 0),
+                       ("launch_cooperative_grid", False), ("launch_pdl", False)):
+        value = getattr(metadata, name, fine)
+        if value != fine:
+            return f"its metadata has {name}={value!r} (this launcher handles {fine!r} only)"
+    if _layout(compiled, n_args) is None:
+        return ("its parameters do not lay out as Triton's launcher passes them, checked "
+                "against the PTX entry")
+    return None
+
+
+# ----------------------------------------------------------------------------- TMA descriptors
+
+_ENCODED: dict = {}
+_ENCODED_MAX = 4096
+
+
+def _descriptor(desc, meta: tuple) -> tuple:
+    """A host TMA descriptor's launch parameters: (CUtensorMap bytes, *shape, *strides).
+    ``meta``: the compiled kernel's (swizzle, element size, element type, box) for it. The
+    encoded map depends on nothing else, so it is kept by those values (a replay's tensors
+    come back at the same addresses: no encoding then)."""
+    shape, strides = tuple(desc.shape), tuple(desc.strides)
+    ptr = desc.base.data_ptr()
+    nan = getattr(desc, "padding", "zero") == "nan"
+    tf32 = bool(getattr(desc, "round_f32_to_tf32", False))
+    key = (ptr, shape, strides, nan, tf32, meta)
+    encoded = _ENCODED.get(key)
+    if encoded is None:
+        encoded = _encode(ptr, shape, strides, meta, nan, tf32)
+        if len(_ENCODED) >= _ENCODED_MAX:
+            _ENCODED.clear()
+        _ENCODED[key] = encoded
+    return (encoded, *shape, *strides)
+
+
+def _encode(ptr, shape, strides, meta: tuple, nan: bool, tf32: bool) -> bytes:
+    swizzle, size, elem_type, block = meta
+    rank = len(shape)
+    if strides[-1] != 1:
+        raise RuntimeError(f"TMA descriptor: the last stride must be 1, got strides {strides}")
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    dims = (u64 * rank)(*reversed(shape))
+    # cuda.h: the strides of dims 1.. in bytes, innermost first
+    byte_strides = (u64 * max(1, rank - 1))(*[s * size for s in reversed(strides[:-1])])
+    box = (u32 * rank)(*reversed(block))
+    ones = (u32 * rank)(*([1] * rank))
+    raw = ctypes.create_string_buffer(128 + 64)
+    at = ctypes.addressof(raw) + (-ctypes.addressof(raw) % 64)     # CUtensorMap is 64-aligned
+    kind = _TMA_TF32 if tf32 else _TMA_HOST_TYPE[elem_type]
+    _check(_cuda().cuTensorMapEncodeTiled(
+        at, kind, rank, ptr, dims, byte_strides, box, ones, 0, swizzle,
+        _L2_PROMOTION_128B, _OOB_FILL_NAN if nan else 0),
+        f"cuTensorMapEncodeTiled (shape {shape}, strides {strides}, box {block})")
+    return ctypes.string_at(at, 128)
+
+
+# ----------------------------------------------------------------------------- launching
+
+class Binary:
+    """A compiled kernel loaded into the current CUDA context, launched with ``launch``."""
+
+    @classmethod
+    def of(cls, compiled, n_args: int, device_index: int):
+        """The Binary of ``compiled`` for launches with ``n_args`` positional arguments, or
+        None where this module does not launch it (Triton's path runs instead). Raises
+        Triton's OutOfResources where the GPU cannot run it, as Triton's loader does."""
+        if decline_reason(compiled, n_args) is not None:
+            return None
+        return cls(compiled, _layout(compiled, n_args), device_index)
+
+    def __init__(self, compiled, layout, device_index):
+        from triton.runtime.errors import OutOfResources
+        lib = _cuda()
+        fmt, offsets, lines, values = layout
+        metadata = compiled.metadata
+        self.name = metadata.name
+        self.threads = 32 * metadata.num_warps
+        self.shared = metadata.shared
+        _current_context(device_index)
+        optin = ctypes.c_int()
+        _check(lib.cuDeviceGetAttribute(ctypes.byref(optin), _DEVICE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                                        device_index), "cuDeviceGetAttribute")
+        if self.shared > optin.value:
+            raise OutOfResources(self.shared, optin.value, "shared memory")
+        module, function = ctypes.c_void_p(), ctypes.c_void_p()
+        _check(lib.cuModuleLoadData(ctypes.byref(module), compiled.asm["cubin"]), "cuModuleLoadData")
+        _check(lib.cuModuleGetFunction(ctypes.byref(function), module, self.name.encode()),
+               "cuModuleGetFunction")
+        self.module, self.function = module, function
+        most = ctypes.c_int()
+        _check(lib.cuFuncGetAttribute(ctypes.byref(most), _FUNC_MAX_THREADS_PER_BLOCK, function),
+               "cuFuncGetAttribute")
+        if self.threads > most.value:
+            raise OutOfResources(self.threads, most.value, "threads")
+        if self.shared > 49152:
+            static = ctypes.c_int()
+            _check(lib.cuFuncGetAttribute(ctypes.byref(static), _FUNC_SHARED_SIZE_BYTES, function),
+                   "cuFuncGetAttribute")
+            _check(lib.cuFuncSetAttribute(function, _FUNC_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                          optin.value - static.value), "cuFuncSetAttribute")
+        self.fmt = fmt
+        size = struct.calcsize(fmt)
+        self._raw = ctypes.create_string_buffer(size + 64)
+        base = ctypes.addressof(self._raw) + (-ctypes.addressof(self._raw) % 64)
+        self.buffer = (ctypes.c_char * size).from_address(base)
+        self.params = (ctypes.c_void_p * len(offsets))(*[base + o for o in offsets])
+        self.pack = _packer(lines, values, _descriptor_metas(metadata))
+        self._lock = threading.Lock()
+        self._launch = lib.cuLaunchKernel
+
+    def launch(self, grid, stream: int, args) -> None:
+        """Launch on ``stream`` (a raw CUstream) with the grid and arguments a generated
+        module's ``arguments`` gave (their first ``n_args``; constexprs are not parameters)."""
+        g0 = grid[0]
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        if g0 * g1 * g2 == 0:
+            return
+        values = self.pack(args)
+        with self._lock:        # one parameter buffer; the driver copies it at the launch
+            struct.pack_into(self.fmt, self.buffer, 0, *values)
+            result = self._launch(self.function, g0, g1, g2, self.threads, 1, 1, self.shared,
+                                  stream, self.params, None)
+        if result != 0:
+            _check(result, f"cuLaunchKernel of {self.name}")
+
+
+def _descriptor_metas(metadata) -> list:
+    """(swizzle, element size, element type, box) of each of a kernel's TMA descriptors."""
+    return [(m["swizzle"], m["elem_size"], m["elem_type"], tuple(m["block_size"]))
+            for m in getattr(metadata, "tensordesc_meta", None) or []]
+
+
+def _packer(lines, values, metas):
+    """A function of the launch's argument list to the tuple of parameter values, generated
+    once per kernel (a loop over per-argument rules costs more than the launch)."""
+    body = "".join(f"    {line}\n" for line in lines)
+    text = f"def pack(a):\n{body}    return ({', '.join(values)},)\n"
+    scope = {"_descriptor": _descriptor, "_meta": metas}
+    exec(compile(text, "<flexgen driver packer>", "exec"), scope)
+    return scope["pack"]
+
+
+def _current_context(device_index: int) -> None:
+    """Make the device's primary context current on this thread (torch's context), as
+    Triton's loader does, when no context is."""
+    lib = _cuda()
+    ctx = ctypes.c_void_p()
+    _check(lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+    if not ctx.value:
+        _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device_index), "cuDevicePrimaryCtxRetain")
+        _check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
+def clear_memos() -> None:
+    _ENCODED.clear()
