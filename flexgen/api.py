@@ -51,9 +51,11 @@ def _ops():
 
 
 def source(spec) -> str:
-    """The module source of a kernel spec (rendered: what ``kernel_source`` shows)."""
-    from .codegen.cache import source as rendered
-    return rendered(spec)
+    """The module source of a kernel spec (what ``kernel_source`` shows): the restart
+    index's verified copy where a previous process recorded it, so that a warm process
+    asks for it without sympy's printing or Jinja, else rendered now."""
+    from .codegen.cache import module_text
+    return module_text(spec)
 
 
 def _tensors(**named) -> None:

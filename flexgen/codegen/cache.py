@@ -113,7 +113,7 @@ def source(spec: KernelSpec) -> str:
     return render(spec)
 
 
-def _module_text(spec: KernelSpec) -> str:
+def module_text(spec: KernelSpec) -> str:
     """The source a load runs: the restart index's verified copy for this spec key when a
     previous process recorded one (no Jinja), else rendered now and recorded."""
     from . import index
@@ -250,7 +250,7 @@ def load(spec: KernelSpec, interpret: bool):
     with _LOCK:
         module = _MODULES.get(cache_key)
         if module is None:
-            text = _module_text(spec)
+            text = module_text(spec)
             name = f"flexgen_kernels.{spec.kernel_name}{'_interp' if interpret else ''}"
             module = _execute(name, text, _disk_copy(spec.kernel_name, text), interpret)
             if not interpret and fast_tanh(spec) and "FAST_TANH" in vars(module):
