@@ -113,6 +113,41 @@ def test_what_it_cannot_launch_is_declined(monkeypatch):
     assert driver.Binary.of(compiled, len(args), 0) is None
 
 
+@needs_aot
+def test_a_binary_is_found_again_in_the_restart_index(monkeypatch, tmp_path):
+    """The first load compiles and records the cubin and its layout; a later process (here:
+    the same one with its memos cleared) loads them without compiling; an entry that does
+    not verify is ignored and the kernel compiled again."""
+    from flexgen.codegen import index
+    monkeypatch.setenv("FLEXGEN_CACHE_DIR", str(tmp_path))
+    index.clear_memos()
+    monkeypatch.setattr(driver, "target", lambda device_index: aot.HOPPER)
+    loaded = []
+    monkeypatch.setattr(driver.Binary, "__init__",
+                        lambda self, kernel, device_index: setattr(self, "kernel", loaded.append(kernel) or kernel))
+    compiles = []
+    real_compile = driver.compile_for_device
+    monkeypatch.setattr(driver, "compile_for_device", lambda *a: compiles.append(a) or real_compile(*a))
+    module = types.SimpleNamespace(KERNEL=_scale_kernel, NUM_WARPS=4, NUM_STAGES=2)
+    args = [torch.randn(64), torch.empty(64), 50, 1, 0.5, 3]
+    classes = (("float32", True), ("float32", True), 0, 1, 2, 0)
+
+    def load():
+        index.clear_memos()
+        return driver.load(module, "spec-key", classes, args, dict(BLOCK=64), 0)
+
+    load()
+    assert len(compiles) == 1 and len(loaded) == 1
+    load()
+    assert len(compiles) == 1 and len(loaded) == 2
+    assert loaded[1]["cubin"] == loaded[0]["cubin"] and list(loaded[1]["layout"][0]) == list(loaded[0]["layout"][0])
+    for path in (tmp_path / "index").glob("binary-*.json"):         # tampered: not trusted
+        path.write_text(path.read_text().replace('"shared":', '"shared":1'))
+    load()
+    assert len(compiles) == 2
+    index.clear_memos()
+
+
 def test_it_is_off_without_a_driver_or_when_switched_off(monkeypatch):
     monkeypatch.setattr(driver, "ENABLED", False)
     assert not driver.usable()

@@ -10,11 +10,15 @@ directory (``$FLEXGEN_CACHE_DIR/index/``), one small JSON file per entry:
   (``flexgen.frontend.lowering``: canonical text, printed snippet, buffer
   signatures, the facts the planner reads, the block-bounds program);
 - ``module``: a kernel spec's key -> its rendered module source
-  (``flexgen.codegen.cache``).
+  (``flexgen.codegen.cache``);
+- ``binary``: a launch's specialization (spec key, argument classes,
+  constexprs, GPU, Triton's compiler key and options) -> the cubin and its
+  parameter layout (``flexgen.runtime.driver``): a warm process launches it
+  without Triton's specialization or compile path.
 
 Every key is computed without sympy (a program text, a spec key), so the
 planner asks the index first, falls back to the full path on a miss, and
-records what it computed. Compiled binaries stay in Triton's own cache.
+records what it computed. Triton's own cache still holds what it compiled.
 
 Why entries can be trusted. The module cache's rule is that no change to the
 cache directory can make flexgen run code it did not generate itself: it used
@@ -164,8 +168,9 @@ def _path(folder: Path, kind: str, key: str) -> Path:
     return folder / FOLDER / f"{kind}-{name[:40]}.json"
 
 
-def get(kind: str, key: str):
-    """The value recorded for (kind, key), verified; None when there is none (or it fails)."""
+def get(kind: str, key: str, memo: bool = True):
+    """The value recorded for (kind, key), verified; None when there is none (or it fails).
+    ``memo=False`` for a large value its caller keeps itself (a kernel binary)."""
     memo_key = (kind, key)
     hit = _memo.get(memo_key)
     if hit is not None or not enabled():
@@ -189,14 +194,16 @@ def get(kind: str, key: str):
         STATS["rejected"] += 1
         return None
     STATS["hits"] += 1
-    _remember(memo_key, value)
+    if memo:
+        _remember(memo_key, value)
     return value
 
 
-def put(kind: str, key: str, value) -> None:
+def put(kind: str, key: str, value, memo: bool = True) -> None:
     """Record ``value`` (JSON data) for (kind, key). Best effort: a directory that cannot be
     written costs only the next process's time (the module cache warns once about it)."""
-    _remember((kind, key), value)
+    if memo:
+        _remember((kind, key), value)
     if not enabled():
         return
     secret, folder = _secret_and_folder()

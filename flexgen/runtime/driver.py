@@ -26,6 +26,7 @@ Triton's own path, as it does when a profiler's launch hook is set.
 """
 from __future__ import annotations
 
+import base64
 import ctypes
 import os
 import re
@@ -275,6 +276,44 @@ def _encode(ptr, shape, strides, meta: tuple, nan: bool, tf32: bool) -> bytes:
     return ctypes.string_at(at, 128)
 
 
+# ----------------------------------------------------------------------------- loading
+
+def load(module, spec_key: str, classes: tuple, args, constexprs: dict, device_index: int):
+    """The Binary for a launch of ``module``'s kernel (spec ``spec_key``, its arguments of
+    ``classes`` as ``flexgen.runtime.launch`` keys them): from the restart index where a
+    previous process recorded it (no specialization, no ``triton.compile``: a warm
+    restart's first call), else compiled now and recorded. None where ``Binary.of``
+    declines the kernel."""
+    from ..codegen import index
+    key = _index_key(module, spec_key, classes, constexprs, device_index)
+    entry = index.get("binary", key, memo=False)
+    if isinstance(entry, dict):
+        try:
+            return Binary(dict(entry, cubin=base64.b64decode(entry["cubin"])), device_index)
+        except (KeyError, TypeError, ValueError, struct.error):
+            pass        # another flexgen's layout: compile again
+    compiled = compile_for_device(module, args, constexprs, target(device_index))
+    binary = Binary.of(compiled, len(args), device_index)
+    if binary is not None:
+        index.put("binary", key, dict(binary.kernel, cubin=base64.b64encode(binary.kernel["cubin"]).decode(),
+                                      layout=list(binary.kernel["layout"])), memo=False)
+    return binary
+
+
+def _index_key(module, spec_key, classes, constexprs, device_index) -> str:
+    """What a compiled binary depends on beyond flexgen's sources and Triton's version (the
+    index's fingerprint): the kernel spec, the module's compile-time globals, the argument
+    classes Triton specializes on, the constexprs, the GPU, Triton's compiler key, the
+    environment variables that change its compiles, and its debug switch."""
+    from triton import knobs
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+    from triton.runtime.cache import triton_key
+    environment = sorted(get_cache_invalidating_env_vars().items())
+    fast_tanh = bool(getattr(module, "FAST_TANH", False))
+    return repr((spec_key, fast_tanh, classes, sorted(constexprs.items()), str(target(device_index)),
+                 triton_key(), environment, bool(knobs.runtime.debug)))
+
+
 # ----------------------------------------------------------------------------- launching
 
 class Binary:
@@ -287,16 +326,21 @@ class Binary:
         Triton's OutOfResources where the GPU cannot run it, as Triton's loader does."""
         if decline_reason(compiled, n_args) is not None:
             return None
-        return cls(compiled, _layout(compiled, n_args), device_index)
+        metadata = compiled.metadata
+        return cls(dict(name=metadata.name, cubin=compiled.asm["cubin"], num_warps=metadata.num_warps,
+                        shared=metadata.shared, layout=_layout(compiled, n_args),
+                        metas=_descriptor_metas(metadata)), device_index)
 
-    def __init__(self, compiled, layout, device_index):
+    def __init__(self, kernel: dict, device_index: int):
+        """``kernel``: name, cubin (bytes), num_warps, shared (bytes), layout (``_layout``'s
+        format, offsets, packing lines and values), metas (``_descriptor_metas``)."""
         from triton.runtime.errors import OutOfResources
         lib = _cuda()
-        fmt, offsets, lines, values = layout
-        metadata = compiled.metadata
-        self.name = metadata.name
-        self.threads = 32 * metadata.num_warps
-        self.shared = metadata.shared
+        fmt, offsets, lines, values = kernel["layout"]
+        self.kernel = kernel
+        self.name = kernel["name"]
+        self.threads = 32 * kernel["num_warps"]
+        self.shared = kernel["shared"]
         _current_context(device_index)
         optin = ctypes.c_int()
         _check(lib.cuDeviceGetAttribute(ctypes.byref(optin), _DEVICE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
@@ -304,7 +348,7 @@ class Binary:
         if self.shared > optin.value:
             raise OutOfResources(self.shared, optin.value, "shared memory")
         module, function = ctypes.c_void_p(), ctypes.c_void_p()
-        _check(lib.cuModuleLoadData(ctypes.byref(module), compiled.asm["cubin"]), "cuModuleLoadData")
+        _check(lib.cuModuleLoadData(ctypes.byref(module), kernel["cubin"]), "cuModuleLoadData")
         _check(lib.cuModuleGetFunction(ctypes.byref(function), module, self.name.encode()),
                "cuModuleGetFunction")
         self.module, self.function = module, function
@@ -325,7 +369,7 @@ class Binary:
         base = ctypes.addressof(self._raw) + (-ctypes.addressof(self._raw) % 64)
         self.buffer = (ctypes.c_char * size).from_address(base)
         self.params = (ctypes.c_void_p * len(offsets))(*[base + o for o in offsets])
-        self.pack = _packer(lines, values, _descriptor_metas(metadata))
+        self.pack = _packer(lines, values, [tuple(m[:3]) + (tuple(m[3]),) for m in kernel["metas"]])
         self._lock = threading.Lock()
         self._launch = lib.cuLaunchKernel
 

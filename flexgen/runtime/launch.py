@@ -377,8 +377,7 @@ def _launch_compiled(spec: KernelSpec, module, grid, args, constexprs):
         launcher = _COMPILED.get(key)
         if launcher is None and driver.usable() and _compile_hooks_idle():
             compiler_key.install()
-            compiled = driver.compile_for_device(module, args, constexprs, driver.target(device_index))
-            launcher = driver.Binary.of(compiled, len(args), device_index)
+            launcher = driver.load(module, spec.key, classes, args, constexprs, device_index)
             if launcher is not None:
                 _remember(key, launcher)
         if launcher is not None:
