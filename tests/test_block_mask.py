@@ -150,18 +150,27 @@ def test_block_lists_match_dense_mask(name, Q_LEN, KV_LEN, BLOCK_SIZE):
     check_mask(mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE)
 
 
-@pytest.mark.parametrize("every", [False, True], ids=["bounds_first", "every_block"])
+@pytest.mark.parametrize("path", ["bounds_first", "every_block", "first_build"])
 @pytest.mark.parametrize("name", list(MASKS))
-def test_sync_free_classification_matches(name, every, monkeypatch):
-    """The GPU's path (the dense block-mask kernel classifying every undecided block in
-    place, no nonzero() and so no host sync; for small grids every block, no bounds) gives
-    the lists of the CPU's path."""
+def test_sync_free_classification_matches(name, path, monkeypatch):
+    """The GPU's paths (the dense block-mask kernel classifying every undecided block in
+    place, no nonzero() and so no host sync; for small grids every block, no bounds; on a
+    mask's first build in the process, every block with torch ops) give the lists of the
+    CPU's path."""
+    import contextlib
     from flexgen.masks import builder
+    from flexgen.runtime import launch
     mask_mod, B, H = MASKS[name]
     want = create_block_mask(mask_mod, B, H, 200, 131, device="cpu", BLOCK_SIZE=(64, 16))
     monkeypatch.setattr(builder, "SYNC_FREE_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(builder, "EVERY_MAX_ELEMENTS", 2 ** 28 if every else 0)
-    got = create_block_mask(mask_mod, B, H, 200, 131, device="cpu", BLOCK_SIZE=(64, 16))
+    monkeypatch.setattr(builder, "EVERY_MAX_ELEMENTS", 0 if path == "bounds_first" else 2 ** 28)
+    monkeypatch.setattr(builder, "_BUILT", set())
+    if path == "first_build":
+        def refuse(*args, **kwargs):
+            raise AssertionError("a kernel launched on a mask's first build")
+        monkeypatch.setattr(launch, "run", refuse)
+    with builder.compile_on_first_build() if path == "every_block" else contextlib.nullcontext():
+        got = create_block_mask(mask_mod, B, H, 200, 131, device="cpu", BLOCK_SIZE=(64, 16))
     for a, b in zip(want.as_tuple(), got.as_tuple()):
         if isinstance(a, torch.Tensor):
             assert torch.equal(a, b), name
@@ -430,3 +439,38 @@ def test_gpu_mask_build_and_attention_do_not_sync():
     for a, b in zip(mask.as_tuple(), want.as_tuple()):
         if isinstance(a, torch.Tensor):
             assert torch.equal(a.cpu(), b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["sliding_window", "document"])
+def test_gpu_first_mask_build_compiles_nothing_and_does_not_sync(name, monkeypatch):
+    """A process's first build of a mask on the GPU classifies its blocks with torch ops: no
+    kernel launched (none to compile), nothing read back to the host; the second build
+    launches the block-mask kernel. Both give the CPU's lists."""
+    from flexgen.masks import builder
+    from flexgen.runtime import launch
+    ids = M.doc_ids_from_lengths([300, 1, 450, 249])
+
+    def mod_on(device):
+        return M.sliding_window(101) if name == "sliding_window" else M.document_mask(ids.to(device))
+
+    mod = mod_on("cuda")
+    with builder.compile_on_first_build():      # traced and lowered first (the check is the build's)
+        create_block_mask(mod, None, None, 1000, 1000, device="cuda")
+    monkeypatch.setattr(builder, "_BUILT", set())
+    launched, original = [], launch.run
+    monkeypatch.setattr(launch, "run", lambda spec, *a, **k: launched.append(spec.template) or
+                        original(spec, *a, **k))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        first = create_block_mask(mod, None, None, 1000, 1000, device="cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert launched == []
+    second = create_block_mask(mod, None, None, 1000, 1000, device="cuda")
+    assert launched == ["block_mask"]
+    want = create_block_mask(mod_on("cpu"), None, None, 1000, 1000, device="cpu")
+    for a, b, c in zip(first.as_tuple(), second.as_tuple(), want.as_tuple()):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a.cpu(), c) and torch.equal(b.cpu(), c)

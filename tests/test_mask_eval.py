@@ -289,6 +289,96 @@ def test_unsupported_falls_back_to_the_kernel(monkeypatch):
     _check_states(mask, mask_mod, 1, 3, 130, 200, 64, 16)
 
 
+# --- a mask's first build on a sync-free device (the GPU's path, here on the CPU) ----------
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """The ops of a call that read a device tensor on the host (a sync on a GPU). (Under a
+    dispatch mode the mask is built inside the flexgen::block_mask op, whose ops a mode does
+    not see: the tests that use this one call the builder directly, ``ops._eager``.)"""
+
+    READS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "tolist", "equal"}
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.READS:
+            self.reads.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def sync_free(monkeypatch):
+    """The CPU treated as a GPU (``builder.SYNC_FREE_DEVICES``), no mask built yet in the process;
+    yields the list of block-mask launches (dense or not)."""
+    monkeypatch.setattr(builder, "SYNC_FREE_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(builder, "_BUILT", set())
+    launched, original = [], launch.run
+    monkeypatch.setattr(launch, "run", lambda spec, *a, **k: launched.append(spec.dense) or
+                        original(spec, *a, **k))
+    return launched
+
+
+def _lists(mask):
+    return [t for t in mask.as_tuple() if isinstance(t, torch.Tensor)]
+
+
+@pytest.mark.parametrize("name,Q_LEN,KV_LEN,BLOCK", [
+    ("causal", 256, 256, (64, 64)),
+    ("document_2d", 200, 200, (32, 16)),           # a captured tensor, b in the mask, B = 2
+    ("per_batch_and_head", 130, 200, (64, 16)),    # ragged q blocks, b and h, B = 2, H = 3
+    ("bool_3d_buffer", 67, 131, (32, 64)),         # ragged both ways, a captured [b, h, kv] tensor
+    ("float_2d_buffer", 200, 97, (64, 128)),          # a float [b, q] tensor, kv blocks past KV_LEN
+])
+def test_first_build_uses_torch_ops_then_the_kernel(sync_free, monkeypatch, name, Q_LEN, KV_LEN, BLOCK):
+    """The first build of a mask classifies every block with torch ops (no kernel launched, no
+    host read); the second launches the dense kernel: both give the dense mask's lists."""
+    mask_mod, B, H, *oracle = MODS[name]
+    from flexgen.runtime import ops
+    monkeypatch.setattr(ops, "_eager", lambda *tensors: True)
+    with _HostReads() as host:
+        first = create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=BLOCK)
+    assert sync_free == [] and host.reads == []
+    _check_states(first, oracle[0] if oracle else mask_mod, B, H, Q_LEN, KV_LEN, *BLOCK)
+    second = create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=BLOCK)
+    assert sync_free == [True]
+    for a, b in zip(_lists(first), _lists(second)):
+        assert torch.equal(a, b)
+
+
+def test_first_build_falls_back_to_the_kernel(sync_free, monkeypatch):
+    """A mask the torch path refuses, or a grid above mask_eval.TORCH_MAX_ELEMENTS: the first
+    build launches the kernel."""
+    mask_mod = MODS["dilated_per_head"][0]
+    with monkeypatch.context() as m:
+        m.setattr(mask_eval, "classify_blocks", lambda *a, **k: (_ for _ in ()).throw(mask_eval.Unsupported("test")))
+        mask = create_block_mask(mask_mod, None, 3, 130, 200, device="cpu", BLOCK_SIZE=(64, 16))
+    assert sync_free == [True]
+    _check_states(mask, mask_mod, 1, 3, 130, 200, 64, 16)
+    monkeypatch.setattr(mask_eval, "TORCH_MAX_ELEMENTS", 128 * 128 - 1)
+    create_block_mask(M.causal_mask, None, None, 100, 128, device="cpu", BLOCK_SIZE=64)  # 4 whole blocks
+    assert sync_free == [True, True]
+
+
+def test_warmup_compiles_the_mask_kernel(sync_free):
+    """flexgen.precompile builds each mask once: it launches (compiles) the dense kernel, which
+    the first build outside it then launches too; clear_caches forgets the built masks."""
+    import flexgen
+    mask_mod = MODS["sliding_window"][0]
+
+    def build():
+        return create_block_mask(mask_mod, None, None, 130, 130, device="cpu", BLOCK_SIZE=32)
+
+    summary = flexgen.precompile([build], progress=False)
+    assert sync_free == [True] and summary["kernels"] == 1
+    build()
+    assert sync_free == [True, True]
+    flexgen.clear_caches()
+    build()
+    assert sync_free == [True, True]          # forgotten: torch ops again
+
+
 @pytest.mark.parametrize("lines,result,kind,what", [
     (("m_0 = q_idx // 3",), "m_0 >= kv_idx", "bool", "FloorDiv"),      # C rounding in Triton
     (("m_0 = q_idx % 3",), "m_0 >= kv_idx", "bool", "Mod"),

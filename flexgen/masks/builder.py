@@ -8,9 +8,19 @@ kernel. The result, a ``[2, B, H, NQ, NKV]`` int32 of partial / full flags
 (O(number of blocks)), is compacted into the eight index lists the attention
 kernels read (torch's BlockMask layout), all views of one int32 tensor laid out
 by ``layout`` — the output of the ``flexgen::block_mask`` op.
+
+On a GPU (``SYNC_FREE_DEVICES``) nothing is read back to the host: the undecided
+blocks are classified in place by the dense block-mask kernel, which for small
+grids (``EVERY_MAX_ELEMENTS``) classifies every block, bounds skipped. Compiling
+that kernel costs seconds, and a process that builds a mask once (a restart, a
+script) would pay them for one launch: so the first build of a mask in a process,
+where the grid is also small enough for torch ops, classifies every block with
+``mask_eval`` instead, and only a second build of the same mask launches (and
+compiles) the kernel. A warm-up (``compile_on_first_build``) compiles it at once.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -34,8 +44,20 @@ SYNC_FREE_DEVICES = ("cuda",)
 # There, a grid of at most this many elements (B * H * Q_LEN * KV_LEN) skips the bounds and
 # has the kernel classify every block: ~60 small torch ops of the bounds cost ~1-2 ms of a
 # slow host per mask (a step that builds its mask is host-bound on it), the kernel's extra
-# element pass ~20-40 us of GPU at 2**28.
+# element pass ~20-40 us of GPU at 2**28. The exception: a mask's first build in the process,
+# where its blocks (ragged ones counted whole) hold at most mask_eval.TORCH_MAX_ELEMENTS
+# elements (2**26, 8192 x 8192 for one head). There torch ops classify every block
+# (``_classify_every_with_torch``, no host read either) and no kernel is compiled (~2 s on an
+# H100) for a mask the process may never build again; its second build launches (compiles)
+# the kernel, as every later one does.
 EVERY_MAX_ELEMENTS = 2 ** 28
+
+# The dense block-mask specs (their keys) this process has built a mask with: the next build
+# of one launches its kernel. Bounded like the spec memo (a cleared set costs a torch build).
+_BUILT: set = set()
+_BUILT_MAX = 4096
+# Open compile_on_first_build() blocks: inside one, first builds launch the kernel too.
+_COMPILE_ON_FIRST_BUILD = 0
 
 
 def _aligned(n: int) -> int:
@@ -135,7 +157,14 @@ def block_hits(lowered, traced, B, H, Q_LEN, KV_LEN, q_block, kv_block, device) 
     hit = torch.empty((2, *shape), dtype=torch.int32, device=device)
     sync_free = torch.device(device).type in SYNC_FREE_DEVICES
     if sync_free and B * H * Q_LEN * KV_LEN <= EVERY_MAX_ELEMENTS:
-        _classify_in_place(lowered, traced, hit, Q_LEN, KV_LEN, q_block, kv_block, every=True)
+        from . import mask_eval
+        spec = block_mask_spec(lowered, dense=True)
+        # A mask's first build in the process: torch ops, no kernel to compile (EVERY_MAX_ELEMENTS).
+        by_torch = (_first_build(spec) and not _COMPILE_ON_FIRST_BUILD
+                    and hit.numel() // 2 * q_block * kv_block <= mask_eval.TORCH_MAX_ELEMENTS)
+        if not (by_torch and _classify_every_with_torch(lowered, traced, hit, Q_LEN, KV_LEN,
+                                                        q_block, kv_block)):
+            _classify_in_place(lowered, traced, hit, Q_LEN, KV_LEN, q_block, kv_block, every=True, spec=spec)
         return hit
     undecided, full = hit.unbind(0)
     # The recorded block-bounds program (no sympy in a warm process), or the expression.
@@ -155,10 +184,61 @@ def block_hits(lowered, traced, B, H, Q_LEN, KV_LEN, q_block, kv_block, device) 
     return hit
 
 
-def _classify_in_place(lowered, traced, hit, Q_LEN, KV_LEN, q_block, kv_block, every=False) -> None:
+def _first_build(spec) -> bool:
+    """Whether this process builds a mask with ``spec`` (the dense kernel's) for the first time;
+    remembered from now on."""
+    if spec.key in _BUILT:
+        return False
+    if len(_BUILT) >= _BUILT_MAX:
+        _BUILT.clear()
+    _BUILT.add(spec.key)
+    return True
+
+
+def _classify_every_with_torch(lowered, traced, hit, Q_LEN, KV_LEN, q_block, kv_block) -> bool:
+    """Every block of ``hit`` classified with torch ops (``mask_eval``: no kernel to compile);
+    False, ``hit`` untouched, where the torch path refuses the mask.
+
+    The blocks' coordinates come from aranges, in ``hit``'s order, not from nonzero(): the
+    build reads nothing back to the host, as the kernel's does not.
+    """
+    from . import mask_eval
+    _, B, H, nq, nkv = hit.shape
+    axes = (torch.arange(n, dtype=torch.int32, device=hit.device) for n in (B, H, nq, nkv))
+    blocks = torch.stack(torch.meshgrid(*axes, indexing="ij"), -1).view(-1, 4)
+    try:
+        hits = mask_eval.classify_blocks(lowered, traced.buffers, blocks, Q_LEN, KV_LEN, q_block,
+                                         kv_block, hits=True, B=B, H=H)
+    except mask_eval.Unsupported:
+        return False
+    hit.view(2, -1).copy_(hits)
+    return True
+
+
+@contextlib.contextmanager
+def compile_on_first_build():
+    """Inside, a mask's first build launches (so compiles) the dense block-mask kernel, as later
+    builds do, instead of using torch ops. A warm-up (``flexgen.precompile``, ``python -m
+    flexgen warmup``) builds each mask once, and must compile the kernel that serving's
+    second build of that mask launches."""
+    global _COMPILE_ON_FIRST_BUILD
+    _COMPILE_ON_FIRST_BUILD += 1
+    try:
+        yield
+    finally:
+        _COMPILE_ON_FIRST_BUILD -= 1
+
+
+def clear_memos() -> None:
+    """Forget which masks were built (``flexgen.clear_caches``): each is built once more with torch ops."""
+    _BUILT.clear()
+
+
+def _classify_in_place(lowered, traced, hit, Q_LEN, KV_LEN, q_block, kv_block, every=False,
+                       spec=None) -> None:
     """The dense block-mask kernel over ``hit``: its undecided blocks, or (``every``) all."""
     from ..runtime import launch
-    launch.run(block_mask_spec(lowered, dense=True), hit.device,
+    launch.run(spec or block_mask_spec(lowered, dense=True), hit.device,
                dict(hits=hit, mask_buffers=traced.buffers, q_len=Q_LEN, kv_len=KV_LEN,
                     q_block=q_block, kv_block=kv_block, every=every))
 

@@ -35,7 +35,7 @@ def precompile(calls, progress: bool = True) -> dict:
         except ImportError:
             pass
     start = time.perf_counter()
-    with _recording() as recorded:
+    with _warming_up() as recorded:
         try:
             for call in calls:
                 call()
@@ -50,14 +50,18 @@ def precompile(calls, progress: bool = True) -> dict:
 
 
 @contextlib.contextmanager
-def _recording():
+def _warming_up():
     """The launches made inside, as a list (``launch.RECORDED``; an outer recorder, the test
-    suite's sm_90 check, still sees them)."""
+    suite's sm_90 check, still sees them). Inside, a mask's first build on a GPU launches the
+    block-mask kernel (``builder.compile_on_first_build``): the warm-up builds each mask once,
+    and serving's second build of it must find that kernel compiled."""
+    from ..masks import builder
     from . import launch
     previous, launch.RECORDED = launch.RECORDED, []
     recorded = launch.RECORDED
     try:
-        yield recorded
+        with builder.compile_on_first_build():
+            yield recorded
     finally:
         launch.RECORDED = previous
         if previous is not None:
@@ -91,7 +95,7 @@ def warmup(target: str, progress: bool = True) -> dict:
     if not callable(fn):
         raise expected("target", "a function", type(fn).__name__, "name a function after the colon")
     start = time.perf_counter()
-    with _recording() as recorded:
+    with _warming_up() as recorded:
         made = fn()
         summary = dict(calls=None, kernels=0)
         if made is not None and not isinstance(made, (str, bytes)) and hasattr(made, "__iter__"):
