@@ -47,10 +47,19 @@ def _scale_kernel(X, Y, n, one, scale, stride, BLOCK: tl.constexpr):
 
 
 def _packed(compiled, args, metas=()):
-    fmt, offsets, lines, values = driver._layout(compiled, len(args))
+    fmt, offsets, kinds = driver._layout(compiled, len(args))
     buffer = bytearray(struct.calcsize(fmt))
-    struct.pack_into(fmt, buffer, 0, *driver._packer(lines, values, list(metas))(args))
+    struct.pack_into(fmt, buffer, 0, *driver._packer(kinds, list(metas), lambda i: f"a[{i}]", {})(args))
     return fmt, offsets, buffer
+
+
+def _unloaded_binary(compiled, n_args):
+    """A Binary's packing state without loading it (no GPU here)."""
+    binary = driver.Binary.__new__(driver.Binary)
+    binary.kinds = driver._layout(compiled, n_args)[2]
+    binary.metas = driver._descriptor_metas(compiled.metadata)
+    binary.pack = driver._packer(binary.kinds, binary.metas, lambda i: f"a[{i}]", {})
+    return binary
 
 
 @needs_aot
@@ -97,6 +106,36 @@ def test_a_gluon_kernels_descriptors_are_packed_with_their_shapes_and_strides(mo
     shape_and_strides = struct.unpack_from("<" + "i" * rank + "q" * rank, buffer, 128)
     assert shape_and_strides == (*q.shape, *q.strides)
     assert offsets[1 + 2 * rank] % 64 == 0            # the next descriptor, aligned
+    plan_module.clear_memos()
+
+
+@needs_aot
+def test_a_replay_packs_its_fresh_tensors_as_a_launch_would(monkeypatch):
+    """A replay's packer reads only the fresh tensors (a pointer, a descriptor's new base);
+    its values equal a full launch's with those tensors in place."""
+    import copy
+    import test_forward_gluon as gluon_tests
+    from flexgen.codegen import cache
+    from flexgen.runtime import launch
+    from flexgen.runtime import plan as plan_module
+    monkeypatch.setattr(plan_module, "gluon_unavailable", lambda query, D, Dv: None)
+    monkeypatch.setattr(driver, "_encode", lambda ptr, shape, strides, meta, nan, tf32:
+                        ptr.to_bytes(8, "little") * 16)
+    driver.clear_memos()
+    plan_module.clear_memos()
+    spec, args, constexprs = gluon_tests.gluon_launch("causal_d64_fp16")
+    compiled = driver.compile_for_device(cache.load(spec, interpret=False), args, constexprs, aot.HOPPER)
+    binary = _unloaded_binary(compiled, len(args))
+    q_desc, lse = args[0], args[4]
+    lists = args[8]
+    kept = [None, *args[1:4], None, *args[5:]]
+    kept[8] = launch._Address(lists.data_ptr())
+    replay_pack = binary.replayer(kept, [(0, 0, launch._recorded(q_desc)), (4, 1, None)])
+    q2, lse2 = torch.randn_like(q_desc.base), torch.randn_like(lse)
+    moved = copy.copy(q_desc)
+    object.__setattr__(moved, "base", q2)
+    assert replay_pack((q2, lse2)) == binary.pack([moved, *args[1:4], lse2, *args[5:]])
+    assert replay_pack((q2, lse2))[0] == q2.data_ptr().to_bytes(8, "little") * 16
     plan_module.clear_memos()
 
 

@@ -160,16 +160,18 @@ _SCALARS = {"i1": "B", "i8": "b", "u8": "B", "i16": "h", "u16": "H", "i32": "i",
 
 
 def _layout(compiled, n_args: int):
-    """(struct format, offsets of the parameters, packing source lines) of a compiled kernel
-    whose first ``n_args`` arguments are the launch's; None where this module cannot
-    launch it (see the module docstring)."""
+    """(struct format, offsets of the parameters, kinds) of a compiled kernel whose first
+    ``n_args`` arguments are the launch's; None where this module cannot launch it (see the
+    module docstring). ``kinds``: for each argument that is a parameter, in order, (its
+    position, "ptr" | "desc" | a struct code); a descriptor's metadata comes in the
+    kernel's order (``_descriptor_metas``)."""
     metadata = compiled.metadata
     names = list(compiled.src.signature)
     types = list(compiled.src.signature.values())
     if len(names) < n_args or any(t != "constexpr" for t in types[n_args:]):
         return None
     descriptors = list(getattr(metadata, "tensordesc_meta", None) or [])
-    codes, lines, values = [], [], []
+    codes, kinds = [], []
     for i, ty in enumerate(types[:n_args]):
         if not isinstance(ty, str):
             return None                     # a tuple argument
@@ -177,7 +179,7 @@ def _layout(compiled, n_args: int):
             continue
         if ty.startswith("*"):
             codes.append("Q")
-            values.append(f"a[{i}].data_ptr()")
+            kinds.append((i, "ptr"))
         elif ty.startswith("tensordesc"):
             if not descriptors:
                 return None                 # lowered to pointers: not this layout
@@ -186,17 +188,15 @@ def _layout(compiled, n_args: int):
                 return None
             rank = len(meta["block_size"])
             codes += ["128s"] + ["i"] * rank + ["q"] * rank
-            lines.append(f"d{i} = _descriptor(a[{i}], _meta[{len(lines)}])")
-            values.append(f"*d{i}")
+            kinds.append((i, "desc"))
         elif ty in _SCALARS:
             codes.append(_SCALARS[ty])
-            values.append(f"a[{i}]")
+            kinds.append((i, _SCALARS[ty]))
         else:
             return None
     if descriptors:
         return None
     codes += ["Q", "Q"]                     # global and profile scratch: none
-    values += ["0", "0"]
     # Lay the parameters out at their alignments, and check them against the PTX entry.
     expected = ptx_params(compiled.asm["ptx"], metadata.name)
     if len(expected) != len(codes):
@@ -211,7 +211,7 @@ def _layout(compiled, n_args: int):
         offset += pad
         offsets.append(offset)
         offset += size
-    return fmt, offsets, lines, values
+    return fmt, offsets, kinds
 
 
 def decline_reason(compiled, n_args: int) -> str | None:
@@ -238,13 +238,19 @@ _ENCODED_MAX = 4096
 
 def _descriptor(desc, meta: tuple) -> tuple:
     """A host TMA descriptor's launch parameters: (CUtensorMap bytes, *shape, *strides).
-    ``meta``: the compiled kernel's (swizzle, element size, element type, box) for it. The
-    encoded map depends on nothing else, so it is kept by those values (a replay's tensors
-    come back at the same addresses: no encoding then)."""
-    shape, strides = tuple(desc.shape), tuple(desc.strides)
-    ptr = desc.base.data_ptr()
-    nan = getattr(desc, "padding", "zero") == "nan"
-    tf32 = bool(getattr(desc, "round_f32_to_tf32", False))
+    ``meta``: the compiled kernel's (swizzle, element size, element type, box) for it."""
+    return _descriptor_at(desc.base.data_ptr(), *_descriptor_fields(desc), meta)
+
+
+def _descriptor_fields(desc) -> tuple:
+    """What a descriptor's map depends on besides its base and the kernel's metadata."""
+    return (tuple(desc.shape), tuple(desc.strides), getattr(desc, "padding", "zero") == "nan",
+            bool(getattr(desc, "round_f32_to_tf32", False)))
+
+
+def _descriptor_at(ptr: int, shape: tuple, strides: tuple, nan: bool, tf32: bool, meta: tuple) -> tuple:
+    """``_descriptor`` from its fields. The encoded map depends on nothing else, so it is kept
+    by those values (a replay's tensors come back at the same addresses: no encoding then)."""
     key = (ptr, shape, strides, nan, tf32, meta)
     encoded = _ENCODED.get(key)
     if encoded is None:
@@ -333,10 +339,10 @@ class Binary:
 
     def __init__(self, kernel: dict, device_index: int):
         """``kernel``: name, cubin (bytes), num_warps, shared (bytes), layout (``_layout``'s
-        format, offsets, packing lines and values), metas (``_descriptor_metas``)."""
+        format, offsets and kinds), metas (``_descriptor_metas``)."""
         from triton.runtime.errors import OutOfResources
         lib = _cuda()
-        fmt, offsets, lines, values = kernel["layout"]
+        fmt, offsets, kinds = kernel["layout"]
         self.kernel = kernel
         self.name = kernel["name"]
         self.threads = 32 * kernel["num_warps"]
@@ -369,7 +375,9 @@ class Binary:
         base = ctypes.addressof(self._raw) + (-ctypes.addressof(self._raw) % 64)
         self.buffer = (ctypes.c_char * size).from_address(base)
         self.params = (ctypes.c_void_p * len(offsets))(*[base + o for o in offsets])
-        self.pack = _packer(lines, values, [tuple(m[:3]) + (tuple(m[3]),) for m in kernel["metas"]])
+        self.kinds = [tuple(k) for k in kinds]
+        self.metas = [tuple(m[:3]) + (tuple(m[3]),) for m in kernel["metas"]]
+        self.pack = _packer(self.kinds, self.metas, lambda i: f"a[{i}]", {})
         self._lock = threading.Lock()
         self._launch = lib.cuLaunchKernel
 
@@ -389,6 +397,33 @@ class Binary:
         if result != 0:
             _check(result, f"cuLaunchKernel of {self.name}")
 
+    def replayer(self, args, swaps):
+        """A packer for replays of one launch (``launch.Replay``): only the fresh tensors are
+        read per call; every other argument (``args``, with None at the swapped positions) is
+        an object kept as it is (a scalar, or one whose ``data_ptr()`` is read). ``swaps``:
+        (argument position, index among the fresh tensors, the recorded descriptor or None)."""
+        fresh = {pos: (j, descriptor) for pos, j, descriptor in swaps}
+        constants = {}
+        for pos, (j, descriptor) in fresh.items():
+            if descriptor is not None:
+                constants[f"t{pos}"] = _descriptor_fields(descriptor)
+        for pos, a in enumerate(args):
+            if pos not in fresh:
+                constants[f"c{pos}"] = a
+        return _packer(self.kinds, self.metas,
+                       lambda i: f"a[{fresh[i][0]}]" if i in fresh else f"c{i}", constants)
+
+    def launch_packed(self, grid, stream: int, values) -> None:
+        """``launch`` with the parameter values already packed (a replayer's)."""
+        if grid[0] * grid[1] * grid[2] == 0:
+            return
+        with self._lock:
+            struct.pack_into(self.fmt, self.buffer, 0, *values)
+            result = self._launch(self.function, grid[0], grid[1], grid[2], self.threads, 1, 1,
+                                  self.shared, stream, self.params, None)
+        if result != 0:
+            _check(result, f"cuLaunchKernel of {self.name}")
+
 
 def _descriptor_metas(metadata) -> list:
     """(swizzle, element size, element type, box) of each of a kernel's TMA descriptors."""
@@ -396,12 +431,29 @@ def _descriptor_metas(metadata) -> list:
             for m in getattr(metadata, "tensordesc_meta", None) or []]
 
 
-def _packer(lines, values, metas):
-    """A function of the launch's argument list to the tuple of parameter values, generated
-    once per kernel (a loop over per-argument rules costs more than the launch)."""
+def _packer(kinds, metas, access, constants: dict):
+    """A function ``pack(a)`` -> the tuple of parameter values, generated once per kernel (a
+    loop over per-argument rules costs more than the launch). ``access(i)``: the expression
+    of argument ``i`` (``a[i]``, or a replay's fresh tensor or constant); ``constants``: the
+    names those expressions use besides ``a``. A descriptor's expression may also be a
+    fresh tensor whose descriptor fields are ``constants[f"t{i}"]``."""
+    lines, values, n_desc = [], [], 0
+    for i, kind in kinds:
+        if kind == "ptr":
+            values.append(f"{access(i)}.data_ptr()")
+        elif kind == "desc":
+            if f"t{i}" in constants:        # a replay's fresh tensor, the fields fixed
+                lines.append(f"d{i} = _descriptor_at({access(i)}.data_ptr(), *t{i}, _meta[{n_desc}])")
+            else:
+                lines.append(f"d{i} = _descriptor({access(i)}, _meta[{n_desc}])")
+            values.append(f"*d{i}")
+            n_desc += 1
+        else:
+            values.append(access(i))
+    values += ["0", "0"]
     body = "".join(f"    {line}\n" for line in lines)
     text = f"def pack(a):\n{body}    return ({', '.join(values)},)\n"
-    scope = {"_descriptor": _descriptor, "_meta": metas}
+    scope = {"_descriptor": _descriptor, "_descriptor_at": _descriptor_at, "_meta": metas, **constants}
     exec(compile(text, "<flexgen driver packer>", "exec"), scope)
     return scope["pack"]
 

@@ -179,6 +179,9 @@ class Replay:
             rest.append(a)
         self.args = tuple(rest)
         self.weak = tuple(a.ref for a in self.args if type(a) is _Weak)
+        # A driver launch packs only the fresh tensors per call (driver.Binary.replayer).
+        replayer = getattr(launcher, "replayer", None)
+        self.pack = None if replayer is None else replayer(self.args, self.swaps)
 
     def __call__(self, *tensors) -> bool:
         return (_pattern(tensors) == self.pattern
@@ -195,6 +198,10 @@ class Replay:
         for ref in self.weak:
             if ref() is None:
                 return False
+        stream = torch._C._cuda_getCurrentRawStream(self.device_index)
+        if self.pack is not None:
+            self.launcher.launch_packed(self.grid, stream, self.pack(tensors))
+            return True
         args = list(self.args)
         for pos, i, descriptor in self.swaps:
             if descriptor is None:
@@ -202,7 +209,7 @@ class Replay:
             else:
                 args[pos] = copy.copy(descriptor)
                 object.__setattr__(args[pos], "base", tensors[i])
-        self.launcher.launch(self.grid, torch._C._cuda_getCurrentRawStream(self.device_index), args)
+        self.launcher.launch(self.grid, stream, args)
         return True
 
 
