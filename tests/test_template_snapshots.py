@@ -1,7 +1,8 @@
 """Golden sources of every kernel template, beyond the forward pointer kernel of test_snapshots.
 
 tests/test_snapshots.py keeps one forward (pointer) kernel per mod in flexgen.mods; this
-file keeps the other templates and variants: the forward's TMA variant, the backward's
+file keeps the other templates and variants: the forward's TMA variant and its float32
+form (one pass over both block lists), the backward's
 dQ and dK/dV kernels (pointer and TMA, and the dQ kernel's deterministic fixed-point
 scatter), the Gluon dK/dV kernel, decode, decode_merge, block_mask and paged_write
 (linear and linear_decode: tests/test_linear.py). Each case renders a spec the way the
@@ -58,11 +59,11 @@ def deterministic(on: bool):
         torch.use_deterministic_algorithms(before)
 
 
-def qkv(Lq=L, D=64, Dv=64, Lkv=L):
+def qkv(Lq=L, D=64, Dv=64, Lkv=L, dtype=torch.bfloat16):
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 4, Lq, D, generator=gen).to(torch.bfloat16)
-    k = torch.randn(1, 2, Lkv, D, generator=gen).to(torch.bfloat16)
-    v = torch.randn(1, 2, Lkv, Dv, generator=gen).to(torch.bfloat16)
+    q = torch.randn(1, 4, Lq, D, generator=gen).to(dtype)
+    k = torch.randn(1, 2, Lkv, D, generator=gen).to(dtype)
+    v = torch.randn(1, 2, Lkv, Dv, generator=gen).to(dtype)
     return q, k, v
 
 
@@ -71,10 +72,11 @@ def rel_bias():
     return M.relative_position_bias(torch.zeros(4, 2 * L - 1, requires_grad=True), L)
 
 
-def attention(part, score_mod=None, mask_mod=None, options=None, det=False, Lq=L, D=64, Dv=64):
+def attention(part, score_mod=None, mask_mod=None, options=None, det=False, Lq=L, D=64, Dv=64,
+              dtype=torch.bfloat16):
     """The source of one of flex_attention's kernels (``part``: forward, dq or dkdv)."""
     def render():
-        q, k, v = qkv(Lq, D, Dv)
+        q, k, v = qkv(Lq, D, Dv, dtype=dtype)
         mask = None if mask_mod is None else create_block_mask(mask_mod, 1, None, Lq, L, device="cpu")
         with deterministic(det):
             return kernel_source(q, k, v, score_mod, mask, enable_gqa=True, kernel_options=options,
@@ -143,6 +145,9 @@ CASES = {
     "forward_tma_padded_alibi_document": ("forward", "K.load(", attention(
         "forward", M.alibi(slopes=M.alibi_slopes(4)), M.document_mask(DOC), TMA, **PAD)),
     "forward_tma_no_mask": ("forward", "K.load(", attention("forward", options=TMA)),
+    # forward, float32: one loop over the partial and the full blocks, mask_mod under a branch
+    "forward_float32_softcap_document": ("forward", "if in_partial:", attention(
+        "forward", M.tanh_softcap(30.0), M.document_mask(DOC), dtype=torch.float32)),
     # backward: dQ
     "dq_relbias_window": ("backward", "tl.atomic_add(", attention("dq", rel_bias(), M.sliding_window(32))),
     "dq_deterministic_relbias_window": ("backward", "tl.floor(g_val", attention(

@@ -31,9 +31,10 @@ from .snippet import Snippet
 # 5 (with forward 7, backward 9, backward_gluon 3): the clamped positions that proven
 # captured-tensor loads read. linear 4: key-dim slices (state, output), the prefix kernel
 # and the decay forms. block_mask 4: the dense kernel's EVERY, for grids small enough to
-# classify every block without the bounds.)
+# classify every block without the bounds. forward 8: float32 with a block mask visits the
+# partial and the full blocks in one loop; other dtypes' sources unchanged.)
 SIGMOID_REVISION = 4
-TEMPLATE_VERSIONS = {"forward": 7, "forward_gluon": 5, "backward_gluon": 3, "block_mask": 4,
+TEMPLATE_VERSIONS = {"forward": 8, "forward_gluon": 5, "backward_gluon": 3, "block_mask": 4,
                      "decode": 3, "decode_merge": 1, "paged_write": 2,
                      "backward": 9, "linear": 4, "linear_decode": 1}
 
@@ -145,8 +146,10 @@ def mod_fields(score, mask, proven=((), ())) -> dict:
 # the operands split into high and low tf32 parts: float32's accuracy, not tf32's) rather than
 # "ieee", which Triton lowers to unrolled FMA loops: 4.5x the PTX of a bf16 kernel and a first
 # compile of 9.2 s against 1.6 s for bf16 on the dev CPU (benchmarks/NOTES.md, "fp32 first
-# call"), 24.6 s on the H100 host; tf32x3 compiles in 3.8-4.4 s. FLEXGEN_FP32_DOT=ieee restores
-# plain FMA products (bit-for-bit torch's fp32 matmul without tf32).
+# call"), 24.6 s on the H100 host; tf32x3 compiled in 3.8-4.4 s on the dev CPU (triton 3.9,
+# no JIT specialization); in one pass over the block lists (templates/forward.py.jinja,
+# one_pass) 1.2 s against 2.3-2.8 s (triton 3.6, "fp32 forward compile").
+# FLEXGEN_FP32_DOT=ieee restores plain FMA products (bit-for-bit torch's fp32 matmul without tf32).
 FP32_DOT = os.environ.get("FLEXGEN_FP32_DOT", "tf32x3")
 
 
