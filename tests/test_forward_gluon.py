@@ -354,9 +354,14 @@ def test_gluon_sigmoid_cases_match_the_oracle(name):
                                                enable_gqa=True, kernel_options={"BACKEND": backend})
             for backend in ("gluon", "tl")}
     ref = sigmoid_attention_reference(q, k, v, score, bm, bias=-2.5, enable_gqa=True)
+    # The sum is not normalized: its rounding error grows with the number of weighted values
+    # (bf16 weights into the PV product, a bf16 output), not with the sum, which random signs
+    # keep small. So the bound scales with Σ_j p_j |v_j| (the oracle on |v|), ~2^-8 of it.
+    magnitude = sigmoid_attention_reference(q, k, v.abs(), score, bm, bias=-2.5, enable_gqa=True)
     for backend, out in outs.items():
         assert not out.isnan().any()
-        torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2, msg=f"{name} {backend}")
+        excess = (out.double() - ref).abs() - (2e-2 + 4e-3 * magnitude)
+        assert excess.max() <= 0, f"{name} {backend}: error over its bound by {excess.max().item():.3g}"
     torch.testing.assert_close(outs["gluon"].float(), outs["tl"].float(), atol=1e-2, rtol=1e-2)
 
 
