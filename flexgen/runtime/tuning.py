@@ -57,9 +57,12 @@ _BACKWARD = {
 DEFAULTS = {"forward": _FORWARD, "backward.dq": _BACKWARD, "backward.dkdv": _BACKWARD}
 # fp32 tiles are twice the bytes: the forward's 128 x 64 tiles with 3 stages need 225 KiB of
 # shared memory with FMA products and 256 KiB with tensor-core (tf32 / tf32x3) ones, past an
-# H100's 227 KiB. 64 x 64 with 2 stages: 192 KiB, and a first compile of 4.4 s against 9.2 s
-# (ieee, 128 x 64) on the dev CPU (benchmarks/NOTES.md, "fp32 first call").
-FLOAT32 = {("forward", 128): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)}
+# H100's 227 KiB. 128 x 32 with 8 warps and 2 stages: 192 KiB, no register spills with tf32x3
+# products, the forward of a causal softcap call (B=1, H=16, 4k, D=128) in 2.33 ms on the H100
+# against 2.89 for 64 x 64 / 4 warps and 3.33 for 64 x 32 (torch's compiled flex_attention 9.76,
+# same run), and a first sm_90 compile of 0.74 s against 1.22 on the dev CPU
+# (benchmarks/NOTES.md, "fp32 first call" and "2026-11-25 (second session)").
+FLOAT32 = {("forward", 128): dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2)}
 
 # (kernel, GPU, dtype, padded head dim) -> configuration, each measured by
 # benchmarks/tune.py on that GPU: the configuration with the best geometric mean
