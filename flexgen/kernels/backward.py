@@ -40,6 +40,7 @@ come from the tl dQ kernel, which always runs first.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -186,21 +187,24 @@ def run_backward(bw: BackwardPlan, plan, query, key, value, out, lse, grad_out, 
         dv = torch.empty(value.shape, dtype=value.dtype, device=device)
     poison(delta, dq, dk, dv)
     grads = gradient_buffers(bw, score_buffers, device)
-    kv_sparse = q_sparse = None
-    if plan.mask_info is not None:
-        kv_sparse = _lists(block_lists[:4], B, H, plan.mask_info.block_size)
-        q_sparse = _lists(block_lists[4:], B, H, plan.mask_info.block_size)
-    common = dict(q=query, k=key, v=value, out=out, dout=grad_out, lse=lse, dlse=dlse, delta=delta,
-                  dq=dq, dk=dk, dv=dv, score_buffers=score_buffers, mask_buffers=mask_buffers,
-                  scale=plan.scale, **({"bias": bias} if sigmoid else {}))
+
+    def inputs(dq_kernel: bool) -> dict:
+        """A launch's inputs (a replay needs none: it has the lists' addresses)."""
+        lists = block_lists[:4] if dq_kernel else block_lists[4:]
+        sparse = None if plan.mask_info is None else _lists(lists, B, H, plan.mask_info.block_size)
+        return dict(q=query, k=key, v=value, out=out, dout=grad_out, lse=lse, dlse=dlse, delta=delta,
+                    dq=dq, dk=dk, dv=dv, score_buffers=score_buffers, mask_buffers=mask_buffers,
+                    scale=plan.scale, sparse=sparse, grad_buffers=grads if dq_kernel else (),
+                    **({"bias": bias} if sigmoid else {}))
+
     dq_spec, dkdv_spec = _pick(bw, (query, key, value, out, grad_out, dq, dk, dv), query.dtype)
     run = _Launcher(plan, (query, key, value, out, grad_out, lse, dlse, delta, dq, dk, dv, *grads),
                     score_buffers, mask_buffers, block_lists, bias)
     # The dQ kernel runs first in any case: it writes delta, which the dK/dV kernel reads.
-    run(dq_spec, dict(common, sparse=kv_sparse, grad_buffers=grads), bw.tune_blocks)
+    run(dq_spec, functools.partial(inputs, True), bw.tune_blocks)
     if needs_kv:
         gluon = _gluon_dkdv(bw, (query, key, value, grad_out, dk, dv), query.dtype)
-        dkdv_inputs = dict(common, sparse=q_sparse, grad_buffers=())
+        dkdv_inputs = functools.partial(inputs, False)
         if gluon is None:
             run(dkdv_spec, dkdv_inputs, bw.tune_blocks)
         else:
@@ -227,9 +231,11 @@ class _Launcher:
         self.key = (replay_key(score_buffers, mask_buffers, block_lists, bias),
                     tuple(None if t is None else (t.shape, t.stride()) for t in fresh))
 
-    def __call__(self, spec, inputs, tune_blocks=None) -> None:
+    def __call__(self, spec, make_inputs, tune_blocks=None) -> None:
+        """Replay ``spec``'s launch, or launch it with ``make_inputs()``."""
         key = (spec.kernel_name, *self.key)
         if not replay(self.plan, key, self.fresh):
+            inputs = make_inputs()
             launched = launch.run(spec, inputs["q"].device, inputs, tune_blocks=tune_blocks,
                                   replay=self.fresh, origins=self.origins)
             remember(self.plan, key, launched)

@@ -39,9 +39,6 @@ def run_forward(plan, query, key, value, score_buffers, mask_buffers, block_list
     lse = None if sigmoid else torch.empty(B, Hq, Lq, dtype=torch.float32, device=device)
     max_scores = torch.empty(B, Hq, Lq, dtype=torch.float32, device=device) if want_max else None
     poison(out, lse, max_scores)
-    sparse = None
-    if plan.mask_info is not None:
-        sparse = (*broadcast_lists(block_lists[:4], B, Hq), *plan.mask_info.block_size)
     spec = plan.spec
     if spec.use_tma and not all(map(tma_addressable, (query, key, value, out))):
         spec = plan.pointer_spec
@@ -56,6 +53,10 @@ def run_forward(plan, query, key, value, score_buffers, mask_buffers, block_list
                     if isinstance(t, torch.Tensor))
     # Only the plan's own kernel replays (not its pointer variant, nor a fallback's).
     if not (spec is plan.spec and replay(plan, others, leading)):
+        # (Only a launch reads the lists broadcast to [B, H]: a replay has their addresses.)
+        sparse = None
+        if plan.mask_info is not None:
+            sparse = (*broadcast_lists(block_lists[:4], B, Hq), *plan.mask_info.block_size)
         inputs = dict(q=query, k=key, v=value, out=out, lse=lse, sparse=sparse,
                       score_buffers=score_buffers, mask_buffers=mask_buffers, scale=plan.scale,
                       max_scores=max_scores, **extra)
