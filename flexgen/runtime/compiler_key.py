@@ -1,23 +1,22 @@
-"""Triton's compiler key, remembered across processes.
+"""Triton's compiler key, from a stamp of its files instead of a hash of their contents.
 
 Every compiled kernel's cache key starts with ``triton.runtime.cache.triton_key()``:
 a hash of Triton's compiler, backends, language sources and its ``libtriton``
 shared library. Triton computes it once per process by reading and hashing
-those files, several hundred MB: ~0.35-0.45 s on the H100 host, the largest
-single part of a warm restart's first call (a process whose kernels are all in
-the disk caches).
+those files, several hundred MB: ~0.35-0.45 s on the H100 host, paid by every
+process that compiles or looks a kernel up (a cold start's first call included).
 
-The key changes only when those files do, so flexgen records it in the restart
-index (``flexgen.codegen.index``: authenticated entries, like its other
-results) under a stamp of the same files: each one's path, size and mtime
-(``os.stat`` of ~300 files, ~3 ms). A later process with the same stamp installs
-the recorded value as Triton's ``triton_key``, the way Triton's own pre-load
-workers do; any file that changed (an upgrade, an edit) changes the stamp, and
-the key is computed again. The stamp covers a superset of the files the key
-hashes, so it can miss no change that the key would see, short of a file
-rewritten with its size and mtime kept.
+The key only has to change when those files do. flexgen installs, as Triton's
+``triton_key``, Triton's version and a stamp of the same files: each one's path,
+size and mtime (``os.stat`` of ~300 files, ~3 ms), the way Triton's own pre-load
+workers install a key they were given. Any file that changes (an upgrade, an
+edit) changes the stamp, so kernels compiled before are not found under the new
+key. The stamp covers a superset of the files the key hashes, so it can miss no
+change that the key would see, short of a file rewritten with its size and
+mtime kept. Cache entries are then keyed differently from a process that lets
+Triton hash (torch's inductor alone, say): both compile and keep their own.
 
-``FLEXGEN_RESTART_INDEX=0`` turns this off with the rest of the index.
+``FLEXGEN_RESTART_INDEX=0`` turns this off with flexgen's other restart shortcuts.
 """
 from __future__ import annotations
 
@@ -48,11 +47,12 @@ def _stamp(cache_module, triton_root: str) -> str:
 
 
 def install() -> None:
-    """Give Triton its compiler key from the restart index, or compute and record it.
+    """Give Triton a compiler key from the stamp of its files (see the module docstring).
 
     Called before a process's first compile or compiled-kernel lookup. Leaves a
     Triton whose ``triton_key`` is not the memoized function this was written for
-    alone (it then computes the key itself, as before).
+    alone (it then computes the key itself, as before), and one that has already
+    computed it.
     """
     if _installed:
         return
@@ -63,12 +63,8 @@ def install() -> None:
     compute = getattr(cache_module, "triton_key", None)
     if not index.enabled() or not hasattr(compute, "cache_info") or compute.cache_info().currsize:
         return
-    stamp = _stamp(cache_module, os.path.dirname(os.path.abspath(triton.__file__)))
-    recorded = index.get("triton_key", stamp)
-    if isinstance(recorded, str) and recorded.startswith(triton.__version__):
-        cache_module.triton_key = functools.lru_cache()(lambda: recorded)
-    else:
-        index.put("triton_key", stamp, compute())
+    key = f"{triton.__version__}-files-{_stamp(cache_module, os.path.dirname(os.path.abspath(triton.__file__)))}"
+    cache_module.triton_key = functools.lru_cache()(lambda: key)
 
 
 __all__ = ["install"]
