@@ -31,10 +31,11 @@ from .snippet import Snippet
 # 5 (with forward 7, backward 9, backward_gluon 3): the clamped positions that proven
 # captured-tensor loads read. linear 4: key-dim slices (state, output), the prefix kernel
 # and the decay forms. block_mask 4: the dense kernel's EVERY, for grids small enough to
-# classify every block without the bounds.)
+# classify every block without the bounds. block_lists 1: a mask's eight lists from its flags
+# in one launch, on a GPU.)
 SIGMOID_REVISION = 4
 TEMPLATE_VERSIONS = {"forward": 7, "forward_gluon": 5, "backward_gluon": 3, "block_mask": 4,
-                     "decode": 3, "decode_merge": 1, "paged_write": 2,
+                     "block_lists": 1, "decode": 3, "decode_merge": 1, "paged_write": 2,
                      "backward": 9, "linear": 4, "linear_decode": 1}
 
 
