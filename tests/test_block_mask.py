@@ -155,12 +155,13 @@ def test_block_lists_match_dense_mask(name, Q_LEN, KV_LEN, BLOCK_SIZE):
 def test_sync_free_classification_matches(name, path, monkeypatch):
     """The GPU's paths (the dense block-mask kernel classifying every undecided block in
     place, no nonzero() and so no host sync; for small grids every block, no bounds; on a
-    mask's first build in the process, every block with torch ops) give the lists of the
-    CPU's path."""
+    mask's first build in the process, every block with torch ops; the lists kernel from
+    the second build on) give the lists of the CPU's path."""
     import contextlib
     from flexgen.masks import builder
     from flexgen.runtime import launch
     mask_mod, B, H = MASKS[name]
+    original = launch.run
     want = create_block_mask(mask_mod, B, H, 200, 131, device="cpu", BLOCK_SIZE=(64, 16))
     monkeypatch.setattr(builder, "SYNC_FREE_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(builder, "EVERY_MAX_ELEMENTS", 0 if path == "bounds_first" else 2 ** 28)
@@ -170,10 +171,15 @@ def test_sync_free_classification_matches(name, path, monkeypatch):
             raise AssertionError("a kernel launched on a mask's first build")
         monkeypatch.setattr(launch, "run", refuse)
     with builder.compile_on_first_build() if path == "every_block" else contextlib.nullcontext():
-        got = create_block_mask(mask_mod, B, H, 200, 131, device="cpu", BLOCK_SIZE=(64, 16))
-    for a, b in zip(want.as_tuple(), got.as_tuple()):
-        if isinstance(a, torch.Tensor):
-            assert torch.equal(a, b), name
+        got = [create_block_mask(mask_mod, B, H, 200, 131, device="cpu", BLOCK_SIZE=(64, 16))]
+    if path != "every_block":
+        # The second build launches the lists kernel, which the first left to torch ops.
+        monkeypatch.setattr(launch, "run", original)
+        got.append(create_block_mask(mask_mod, B, H, 200, 131, device="cpu", BLOCK_SIZE=(64, 16)))
+    for mask in got:
+        for a, b in zip(want.as_tuple(), mask.as_tuple()):
+            if isinstance(a, torch.Tensor):
+                assert torch.equal(a, b), name
 
 
 def test_default_block_size_and_single_block():
@@ -303,6 +309,68 @@ def test_lists_layout_and_padding(shape):
             assert got.stride() == want.stride(), (name, got.stride(), want.stride())
             assert torch.equal(got, want), name
             assert got.data_ptr() % 16 == 0, f"{name} is not 16-byte aligned"
+
+
+def random_hits(shape, gen):
+    """int32 [2, *shape] flags, each row at its own density (none, all and between)."""
+    density = torch.tensor([0.0, 0.1, 0.5, 0.9, 1.0])[torch.randint(0, 5, (2, *shape[:-1], 1), generator=gen)]
+    hit = (torch.rand((2, *shape), generator=gen) < density).to(torch.int32)
+    if shape[-2] > 2:     # an all-set and an all-clear column too
+        hit[0, ..., 0], hit[1, ..., -1] = 1, 0
+    return hit
+
+
+def lists_by_kernel(hit, block=1024):
+    """The lists kernel's four stacked lists (``Layout.stacked``) of ``hit``: interpreted on
+    the CPU, in chunks of ``block``, into a buffer of -7s (so an unwritten element shows)."""
+    from flexgen.masks import builder
+    from flexgen.runtime import launch
+    lay = builder.layout(*hit.shape[1:])
+    out = torch.full((lay.size,), -7, dtype=torch.int32)
+    launch.run(builder.lists_spec(), hit.device, dict(hits=hit, out=out, n_kv=lay.n_kv, n_q=lay.n_q,
+                                                      n_idx=lay.n_idx, block=block))
+    return lay.stacked(out)
+
+
+@pytest.mark.parametrize("shape,block", [
+    ((1, 1, 1, 1), 1024), ((2, 3, 5, 7), 1024), ((1, 2, 13, 1), 1024), ((2, 1, 1, 9), 1024),
+    # Lists past one chunk (the default's loop, 1024 lanes a chunk, at small sizes: the
+    # interpreter runs a program in ~3 ms, and a list past 1024 needs ~2000 programs).
+    ((2, 3, 5, 7), 4), ((1, 2, 21, 35), 16), ((2, 1, 19, 33), 16),
+])
+def test_lists_kernel_matches_torch_ops(shape, block):
+    """The GPU's lists kernel (one launch, ``fill_lists`` there) writes what the CPU's torch
+    ops write, counts and padding included, bit for bit: rows of every density, B and H
+    above 1, NQ != NKV, lists longer than the chunk the kernel scans them in."""
+    from flexgen.masks import builder
+    gen = torch.Generator().manual_seed(sum(shape) * block)
+    hit = random_hits(shape, gen)
+    lay = builder.layout(*shape)
+    want = lay.stacked(builder.fill_lists(hit))
+    for name, a, b in zip(("kv counts", "q counts", "kv indices", "q indices"), want,
+                          lists_by_kernel(hit, block)):
+        assert torch.equal(a, b), name
+
+
+def test_fill_lists_launches_the_lists_kernel_from_the_second_call(monkeypatch):
+    """On a GPU (the CPU standing in) the process's first fill_lists uses torch ops (no
+    kernel to compile for one mask), every later one launches the lists kernel, one
+    spec for every shape; both write the CPU's lists."""
+    from flexgen.masks import builder
+    from flexgen.runtime import launch
+    gen = torch.Generator().manual_seed(0)
+    hits = [random_hits(shape, gen) for shape in ((2, 1, 9, 7), (2, 1, 9, 7), (1, 3, 4, 11))]
+    want = [builder.fill_lists(h) for h in hits]
+    monkeypatch.setattr(builder, "SYNC_FREE_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(builder, "_BUILT", set())
+    launched, original = [], launch.run
+    monkeypatch.setattr(launch, "run", lambda spec, *a, **k: launched.append(spec.key) or
+                        original(spec, *a, **k))
+    for i, (h, w) in enumerate(zip(hits, want)):
+        lay = builder.layout(*h.shape[1:])
+        for a, b in zip(lay.stacked(builder.fill_lists(h)), lay.stacked(w)):
+            assert torch.equal(a, b)
+        assert launched == [builder.lists_spec().key] * i
 
 
 @pytest.mark.parametrize("name", list(MASKS))
@@ -444,9 +512,9 @@ def test_gpu_mask_build_and_attention_do_not_sync():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["sliding_window", "document"])
 def test_gpu_first_mask_build_compiles_nothing_and_does_not_sync(name, monkeypatch):
-    """A process's first build of a mask on the GPU classifies its blocks with torch ops: no
-    kernel launched (none to compile), nothing read back to the host; the second build
-    launches the block-mask kernel. Both give the CPU's lists."""
+    """A process's first build of a mask on the GPU classifies its blocks and fills its lists
+    with torch ops: no kernel launched (none to compile), nothing read back to the host; the
+    second build launches the block-mask kernel and the lists kernel. Both give the CPU's lists."""
     from flexgen.masks import builder
     from flexgen.runtime import launch
     ids = M.doc_ids_from_lengths([300, 1, 450, 249])
@@ -469,7 +537,7 @@ def test_gpu_first_mask_build_compiles_nothing_and_does_not_sync(name, monkeypat
         torch.cuda.set_sync_debug_mode(0)
     assert launched == []
     second = create_block_mask(mod, None, None, 1000, 1000, device="cuda")
-    assert launched == ["block_mask"]
+    assert launched == ["block_mask", "block_lists"]
     want = create_block_mask(mod_on("cpu"), None, None, 1000, 1000, device="cpu")
     for a, b, c in zip(first.as_tuple(), second.as_tuple(), want.as_tuple()):
         if isinstance(a, torch.Tensor):

@@ -311,12 +311,13 @@ class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
 @pytest.fixture
 def sync_free(monkeypatch):
     """The CPU treated as a GPU (``builder.SYNC_FREE_DEVICES``), no mask built yet in the process;
-    yields the list of block-mask launches (dense or not)."""
+    yields the list of block-mask launches (dense or not: True or False; "lists" for the
+    lists kernel's)."""
     monkeypatch.setattr(builder, "SYNC_FREE_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(builder, "_BUILT", set())
     launched, original = [], launch.run
-    monkeypatch.setattr(launch, "run", lambda spec, *a, **k: launched.append(spec.dense) or
-                        original(spec, *a, **k))
+    monkeypatch.setattr(launch, "run", lambda spec, *a, **k: launched.append(getattr(spec, "dense", "lists"))
+                        or original(spec, *a, **k))
     return launched
 
 
@@ -332,8 +333,9 @@ def _lists(mask):
     ("float_2d_buffer", 200, 97, (64, 128)),          # a float [b, q] tensor, kv blocks past KV_LEN
 ])
 def test_first_build_uses_torch_ops_then_the_kernel(sync_free, monkeypatch, name, Q_LEN, KV_LEN, BLOCK):
-    """The first build of a mask classifies every block with torch ops (no kernel launched, no
-    host read); the second launches the dense kernel: both give the dense mask's lists."""
+    """The first build of a mask classifies every block and fills the lists with torch ops (no
+    kernel launched, no host read); the second launches the dense kernel and the lists kernel:
+    both give the dense mask's lists."""
     mask_mod, B, H, *oracle = MODS[name]
     from flexgen.runtime import ops
     monkeypatch.setattr(ops, "_eager", lambda *tensors: True)
@@ -342,7 +344,7 @@ def test_first_build_uses_torch_ops_then_the_kernel(sync_free, monkeypatch, name
     assert sync_free == [] and host.reads == []
     _check_states(first, oracle[0] if oracle else mask_mod, B, H, Q_LEN, KV_LEN, *BLOCK)
     second = create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=BLOCK)
-    assert sync_free == [True]
+    assert sync_free == [True, "lists"]
     for a, b in zip(_lists(first), _lists(second)):
         assert torch.equal(a, b)
 
@@ -358,12 +360,13 @@ def test_first_build_falls_back_to_the_kernel(sync_free, monkeypatch):
     _check_states(mask, mask_mod, 1, 3, 130, 200, 64, 16)
     monkeypatch.setattr(mask_eval, "TORCH_MAX_ELEMENTS", 128 * 128 - 1)
     create_block_mask(M.causal_mask, None, None, 100, 128, device="cpu", BLOCK_SIZE=64)  # 4 whole blocks
-    assert sync_free == [True, True]
+    assert sync_free == [True, True, "lists"]       # the process's second lists: the lists kernel
 
 
 def test_warmup_compiles_the_mask_kernel(sync_free):
-    """flexgen.precompile builds each mask once: it launches (compiles) the dense kernel, which
-    the first build outside it then launches too; clear_caches forgets the built masks."""
+    """flexgen.precompile builds each mask once: it launches (compiles) the dense kernel and the
+    lists kernel, which the first build outside it then launches too; clear_caches forgets the
+    built masks."""
     import flexgen
     mask_mod = MODS["sliding_window"][0]
 
@@ -371,12 +374,12 @@ def test_warmup_compiles_the_mask_kernel(sync_free):
         return create_block_mask(mask_mod, None, None, 130, 130, device="cpu", BLOCK_SIZE=32)
 
     summary = flexgen.precompile([build], progress=False)
-    assert sync_free == [True] and summary["kernels"] == 1
+    assert sync_free == [True, "lists"] and summary["kernels"] == 2
     build()
-    assert sync_free == [True, True]
+    assert sync_free == [True, "lists"] * 2
     flexgen.clear_caches()
     build()
-    assert sync_free == [True, True]          # forgotten: torch ops again
+    assert sync_free == [True, "lists"] * 2   # forgotten: torch ops again
 
 
 @pytest.mark.parametrize("lines,result,kind,what", [

@@ -4,8 +4,8 @@ tests/test_snapshots.py keeps one forward (pointer) kernel per mod in flexgen.mo
 file keeps the other templates and variants: the forward's TMA variant and its float32
 form (one pass over both block lists), the backward's
 dQ and dK/dV kernels (pointer and TMA, and the dQ kernel's deterministic fixed-point
-scatter), the Gluon dK/dV kernel, decode, decode_merge, block_mask and paged_write
-(linear and linear_decode: tests/test_linear.py). Each case renders a spec the way the
+scatter), the Gluon dK/dV kernel, decode, decode_merge, block_mask, block_lists and
+paged_write (linear and linear_decode: tests/test_linear.py). Each case renders a spec the way the
 runtime makes it (nothing is launched, so a CPU renders TMA and Gluon kernels too), with a
 padded head dim (80 -> 128, 48 -> 64) where the template masks head-dim lanes. Files: tests/snapshots/test_template_snapshots/.
 
@@ -32,7 +32,7 @@ from flexgen.codegen.cache import source
 from flexgen.frontend.lowering import lower
 from flexgen.frontend.trace import trace_cached
 from flexgen.kernels.paged import paged_write_spec
-from flexgen.masks.builder import block_mask_spec
+from flexgen.masks.builder import block_mask_spec, lists_spec
 from flexgen.runtime import aot
 import conftest
 from test_snapshots import KernelSourceExtension, normalize
@@ -179,6 +179,8 @@ CASES = {
     "block_mask_document": ("block_mask", "mask_buf", block_mask(M.document_mask(DOC))),
     "block_mask_sliding_window": ("block_mask", "HITS", block_mask(M.sliding_window(32))),
     "block_mask_dense_document": ("block_mask", "TOTAL", block_mask(M.document_mask(DOC), dense=True)),
+    # the lists of a block mask from its flags (no mod: one kernel for every mask)
+    "block_lists": ("block_lists", "tl.cumsum(", lambda: source(lists_spec())),
     # paged KV cache writes
     "paged_write": ("paged_write", "K_CACHE", paged_write(64, 64)),
     "paged_write_padded": ("paged_write", "< 48", paged_write(**PAD)),

@@ -17,6 +17,9 @@ script) would pay them for one launch: so the first build of a mask in a process
 where the grid is also small enough for torch ops, classifies every block with
 ``mask_eval`` instead, and only a second build of the same mask launches (and
 compiles) the kernel. A warm-up (``compile_on_first_build``) compiles it at once.
+The lists are written the same way: by one generated kernel on a GPU (``fill_lists``),
+generic so one compile serves every mask, and with torch ops the first time a process
+fills lists.
 """
 from __future__ import annotations
 
@@ -52,8 +55,9 @@ SYNC_FREE_DEVICES = ("cuda",)
 # the kernel, as every later one does.
 EVERY_MAX_ELEMENTS = 2 ** 28
 
-# The dense block-mask specs (their keys) this process has built a mask with: the next build
-# of one launches its kernel. Bounded like the spec memo (a cleared set costs a torch build).
+# The dense block-mask specs (their keys) this process has built a mask with, and the lists
+# kernel's once it filled lists (``fill_lists``): the next build launches the kernel.
+# Bounded like the spec memo (a cleared set costs a torch build).
 _BUILT: set = set()
 _BUILT_MAX = 4096
 # Open compile_on_first_build() blocks: inside one, first builds launch the kernel too.
@@ -115,19 +119,40 @@ def fill_lists(hit: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
 
     Per row, a list holds the indices of its blocks in that state, in increasing order,
     then the other indices in increasing order as padding (torch's layout): a stable
-    descending sort. Both states go through each op (the leading dim of 2): two sorts,
-    two sums and two copies in all, into views of one tensor.
+    descending sort. On a GPU (``SYNC_FREE_DEVICES``) one generated kernel writes them
+    all (``lists_spec``), except in the process's first call, as for the block-mask
+    kernel (``EVERY_MAX_ELEMENTS``): a process that builds one mask compiles nothing
+    (``compile_on_first_build`` launches it there too). Elsewhere both states go through
+    each torch op (the leading dim of 2): two sorts, two sums and two copies in all, into
+    views of one tensor.
     """
     _, B, H, nq, nkv = hit.shape
     lay = layout(B, H, nq, nkv)
     if out is None:
         out = torch.empty(lay.size, dtype=torch.int32, device=hit.device)
+    if hit.device.type in SYNC_FREE_DEVICES and hit.numel():
+        # The torch ops below are 7 calls and more CUDA kernels, each call ~50-80 us of a
+        # slow host (the H100's): most of a build's host time, paid every step by a
+        # training step that builds its mask. One launch replaces them.
+        spec = lists_spec()
+        if not _first_build(spec) or _COMPILE_ON_FIRST_BUILD:
+            from ..runtime import launch
+            launch.run(spec, hit.device, dict(hits=hit.contiguous(), out=out, n_kv=lay.n_kv,
+                                              n_q=lay.n_q, n_idx=lay.n_idx))
+            return out
     kv_num, q_num, kv_idx, q_idx = lay.stacked(out)
     torch.sum(hit, -1, dtype=torch.int32, out=kv_num)
     torch.sum(hit, -2, dtype=torch.int32, out=q_num)
     kv_idx.copy_(hit.sort(dim=-1, descending=True, stable=True).indices)
     q_idx.copy_(hit.transpose(-1, -2).sort(dim=-1, descending=True, stable=True).indices)
     return out
+
+
+def lists_spec():
+    """The spec of the kernel writing a mask's lists (``fill_lists`` on a GPU): no mod in it,
+    so one kernel serves every mask of the process."""
+    from ..codegen.spec import kernel_spec
+    return kernel_spec("block_lists", num_warps=4)
 
 
 def hits_of_states(states: torch.Tensor) -> torch.Tensor:
@@ -185,8 +210,8 @@ def block_hits(lowered, traced, B, H, Q_LEN, KV_LEN, q_block, kv_block, device) 
 
 
 def _first_build(spec) -> bool:
-    """Whether this process builds a mask with ``spec`` (the dense kernel's) for the first time;
-    remembered from now on."""
+    """Whether this process builds a mask with ``spec`` (the dense kernel's; the lists kernel's:
+    fills lists) for the first time; remembered from now on."""
     if spec.key in _BUILT:
         return False
     if len(_BUILT) >= _BUILT_MAX:
@@ -217,10 +242,10 @@ def _classify_every_with_torch(lowered, traced, hit, Q_LEN, KV_LEN, q_block, kv_
 
 @contextlib.contextmanager
 def compile_on_first_build():
-    """Inside, a mask's first build launches (so compiles) the dense block-mask kernel, as later
-    builds do, instead of using torch ops. A warm-up (``flexgen.precompile``, ``python -m
-    flexgen warmup``) builds each mask once, and must compile the kernel that serving's
-    second build of that mask launches."""
+    """Inside, a mask's first build launches (so compiles) the dense block-mask kernel and the
+    lists kernel, as later builds do, instead of using torch ops. A warm-up
+    (``flexgen.precompile``, ``python -m flexgen warmup``) builds each mask once, and must
+    compile the kernels that serving's second build of that mask launches."""
     global _COMPILE_ON_FIRST_BUILD
     _COMPILE_ON_FIRST_BUILD += 1
     try:
