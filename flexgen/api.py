@@ -50,6 +50,7 @@ def _ops():
     return ops
 
 
+
 def source(spec) -> str:
     """The module source of a kernel spec (what ``kernel_source`` shows): the restart
     index's verified copy where a previous process recorded it, so that a warm process
@@ -198,7 +199,8 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
                          for t in (query, key, value))
     score = None if score_mod is None else trace_cached(score_mod, "score_mod")
     mask = None if mask_mod is None else trace_cached(mask_mod, "mask_mod")
-    out, lse = _ops().call_varlen_attention(
+    from .runtime.ops import varlen as varlen_ops      # registers its ops
+    out, lse = varlen_ops.call_varlen_attention(
         query, key, value, cu_seqlens_q, cu_seqlens_k, () if score is None else score.buffers,
         () if mask is None else mask.buffers, "" if score is None else score.graph,
         "" if mask is None else mask.graph, check_scale(scale, query.shape[-1]), bool(enable_gqa),
@@ -388,7 +390,8 @@ def decode_attention(query, key, value, score_mod=None, block_mask=None, scale=N
     if max_kv_len is None:
         max_kv_len = capacity if kv_max is None else kv_max
     packed = () if _packed is None else (_packed[1], int(_packed[2]))
-    out, lse = _ops().call_decode(
+    from .runtime.ops import serving as serving_ops      # registers its ops
+    out, lse = serving_ops.call_decode(
         query if _packed is None else _packed[0], key, value, list(score_buffers), list(mask_buffers),
         list(lists), kv, qs, ql, page_table, score_mod, mask_text, list(block_size), list(lengths),
         check_scale(scale, D), bool(enable_gqa), options.text, int(max_kv_len), *packed)
@@ -446,7 +449,8 @@ def sigmoid_attention(query, key, value, score_mod=None, block_mask=None, scale=
     _tensors(query=query, key=key, value=value)
     score_mod, score_buffers, mask_mod, mask_buffers, lists, block_size, lengths = _mods(
         score_mod, block_mask)
-    return _ops().call_sigmoid_attention(
+    from .runtime.ops import sigmoid as sigmoid_ops      # registers its ops
+    return sigmoid_ops.call_sigmoid_attention(
         query, key, value, score_buffers, mask_buffers, lists, score_mod, mask_mod, block_size, lengths,
         check_scale(scale, query.shape[-1]), check_bias(bias, key.shape[2]), bool(enable_gqa),
         parse_options(kernel_options).text)
@@ -529,7 +533,8 @@ def linear_attention(query, key, value, decay_mod=None, feature_map=None, scale=
     """
     _tensors(query=query, key=key, value=value)
     decay_text, decay_buffers, feature_text, feature_buffers = _linear_mods(decay_mod, feature_map)
-    out, state = _ops().call_linear_attention(
+    from .runtime.ops import linear as linear_ops      # registers its ops
+    out, state = linear_ops.call_linear_attention(
         query, key, value, _state_arg("initial_state", initial_state), decay_buffers, feature_buffers,
         decay_text, feature_text, check_scale(scale, query.shape[-1]), bool(enable_gqa),
         bool(output_final_state), parse_options(kernel_options).text)
@@ -563,7 +568,8 @@ def linear_attention_decode(query, key, value, state, slots, decay_mod=None, fea
         raise reported(expected("slots", "distinct slots (each row updates its own state)", host,
                                 "give each batch row its own slot"))
     decay_text, decay_buffers, feature_text, feature_buffers = _linear_mods(decay_mod, feature_map)
-    return _ops().call_linear_attention_decode(
+    from .runtime.ops import linear as linear_ops      # registers its ops
+    return linear_ops.call_linear_attention_decode(
         query, key, value, state, slots, list(decay_buffers), list(feature_buffers), decay_text,
         feature_text, check_scale(scale, query.shape[-1]), bool(enable_gqa),
         parse_options(kernel_options).text)

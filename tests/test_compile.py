@@ -244,9 +244,10 @@ def test_block_mask_op_stays_out_of_cuda_graphs():
     assert torch.Tag.cudagraph_unsafe in torch.ops.flexgen.block_mask.default.tags
 
 
-def _arguments_of(monkeypatch, name):
-    """The arguments the public call passes to ``flexgen.runtime.ops.<name>`` (recorded)."""
-    from flexgen.runtime import ops
+def _arguments_of(monkeypatch, family, name):
+    """The arguments the public call passes to ``flexgen.runtime.ops.<family>.<name>`` (recorded)."""
+    import importlib
+    ops = importlib.import_module(f"flexgen.runtime.ops.{family}")
     seen, real = [], getattr(ops, name)
     monkeypatch.setattr(ops, name, lambda *args: (seen.append(args), real(*args))[1])
     return seen
@@ -255,14 +256,14 @@ def _arguments_of(monkeypatch, name):
 def test_serving_ops_are_registered_with_fake_implementations(monkeypatch):
     """varlen_attention's and the RoPE append's ops pass torch.library's checks on the
     arguments their public calls give them."""
-    varlen = _arguments_of(monkeypatch, "call_varlen_attention")
+    varlen = _arguments_of(monkeypatch, "varlen", "call_varlen_attention")
     q, k, v = (torch.randn(9, 2, 16) for _ in range(3))
     cu = torch.tensor([0, 4, 9], dtype=torch.int32)
     flexgen.varlen_attention(q, k, v, cu, cu, 5, 5, mask_mod=causal)
     torch.library.opcheck(torch.ops.flexgen.varlen_attention.default, varlen[0],
                           test_utils=("test_schema", "test_faketensor"))
 
-    rope = _arguments_of(monkeypatch, "call_paged_write_rope")
+    rope = _arguments_of(monkeypatch, "serving", "call_paged_write_rope")
     cache = flexgen.PagedKVCache(num_pages=4, page_size=8, num_kv_heads=2, head_dim=16, max_batch=2,
                                  max_pages_per_seq=2, dtype=torch.float32, device="cpu")
     slots = [cache.add_sequence() for _ in range(2)]

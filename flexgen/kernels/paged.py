@@ -328,13 +328,13 @@ class PagedKVCache:
             if value.stride(-1) != 1:
                 value = value.contiguous()
         if inv_freq is not None and L:
-            from ..runtime.ops import call_paged_write_rope
+            from ..runtime.ops.serving import call_paged_write_rope
             rotated = call_paged_write_rope(
                 self.k_cache, self.v_cache, key, value, self.page_table, self._index("slots", slots),
                 self.lengths, self._index("counts", counts), inv_freq, rope.dims(self.head_dim),
                 bool(rope.interleaved), query)
         elif L and max(counts):
-            from ..runtime.ops import call_paged_write
+            from ..runtime.ops.serving import call_paged_write
             call_paged_write(self.k_cache, self.v_cache, key, value, self.page_table,
                              self._index("slots", slots), self.lengths, self._index("counts", counts))
         for s, c in zip(slots, counts):

@@ -1,0 +1,224 @@
+"""flexgen's kernels as ``torch.library`` custom ops (``torch.ops.flexgen.*``).
+
+torch.compile (dynamo, AOTAutograd, inductor) and torch.export see each call as
+one opaque op with a fake implementation (shapes only, through the planner) and,
+for attention, a registered backward that is itself one op. A mod travels into an
+op as data: its traced program text (a str, ``flexgen.frontend.trace``) and its
+captured tensors as a list input, so a new mod or a new captured tensor is not a
+new graph for the user's code, and captured tensors get their gradients through
+autograd like any other input.
+
+    attention(q, k, v, score_buffers, mask_buffers, block_lists, score_mod, mask_mod,
+              block_size, mask_lengths, scale, enable_gqa, options, want_max) -> (out, lse, max)
+    attention_backward(...) -> (dq, dk, dv, buffer_grads)
+    block_mask(mask_buffers, mask_mod, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device) -> lists
+
+``block_lists`` is a block mask's eight lists (kv_num, kv_idx, full_kv_num, full_kv_idx,
+q_num, q_idx, full_q_num, full_q_idx) or empty; ``score_mod`` / ``mask_mod`` are ""
+for none; ``options`` is ``KernelOptions.text``.
+
+Outside any tracing, a call that needs no gradient runs the implementation directly
+(the dispatcher's round trip costs ~15 us a call, as much as the rest of a warm call);
+everything else — gradients, fake tensors, torch.compile, torch.export, dispatch
+modes — goes through the op.
+The other families live in submodules, each registered when first imported (by its
+API function): ``ops.serving`` (decode, paged_write, paged_write_rope), ``ops.sigmoid``,
+``ops.varlen``, ``ops.linear``. Defining a custom op costs ~4 ms (~10 ms on the H100's
+host), and a process that never calls a family should not pay for it at its first call.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ...kernels import backward as _backward
+from ...kernels.decode import constant, run_decode
+from ...kernels.forward import run_forward
+from ...masks import builder
+from ..plan import out_strides, plan_attention, plan_backward
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _eager(*tensors) -> bool:
+    """Whether a call may skip the dispatcher: no tracing, no dispatch mode, no gradient,
+    and real tensors only (no FakeTensor, FunctionalTensor or other subclass)."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if type(t) not in _PLAIN or (grad and t.requires_grad):
+            return False
+    return True
+
+
+def _on_device(buffers, device) -> list:
+    """Captured 0-d CPU tensors (``torch.tensor(2.0)`` in a mod) moved to the kernel's device,
+    as torch lets a 0-d CPU tensor join a CUDA computation."""
+    return [t.to(device) if t.dim() == 0 and t.device != device else t for t in buffers]
+
+# ---------------------------------------------------------------------------------- attention
+
+def _grad_outputs(query, dq, dk, dv, grads, grad_slots, needs_kv) -> tuple:
+    """A backward op's outputs: (dq, dk, dv (empty unless ``needs_kv``: ops return fixed
+    outputs), the gradients of the captured tensors in ``grad_slots``)."""
+    empty = torch.empty(0, dtype=query.dtype, device=query.device)
+    return dq, dk if needs_kv else empty, dv if needs_kv else empty.clone(), [grads[i] for i in grad_slots]
+
+
+@torch.library.custom_op("flexgen::attention", mutates_args=())
+def attention(query: Tensor, key: Tensor, value: Tensor, score_buffers: list[Tensor],
+              mask_buffers: list[Tensor], block_lists: list[Tensor], score_mod: str, mask_mod: str,
+              block_size: list[int], mask_lengths: list[int], scale: float, enable_gqa: bool,
+              options: str, want_max: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """flex_attention's forward: (out [B, Hq, Lq, Dv], lse [B, Hq, Lq], max scores or empty)."""
+    return _attention(query, key, value, score_buffers, mask_buffers, block_lists, score_mod,
+                      mask_mod, block_size, mask_lengths, scale, enable_gqa, options, want_max)
+
+
+def _attention(query, key, value, score_buffers, mask_buffers, block_lists, score_mod, mask_mod,
+               block_size, mask_lengths, scale, enable_gqa, options, want_max):
+    device = query.device
+    score_buffers, mask_buffers = _on_device(score_buffers, device), _on_device(mask_buffers, device)
+    plan = plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers,
+                          block_lists, block_size, mask_lengths, scale, enable_gqa, options, want_max)
+    if plan.kernel == "decode":
+        out, lse = run_decode(plan.decode, query, key, value, score_buffers, mask_buffers,
+                              block_lists[:4] if block_lists else None, constant(plan.Lkv, device),
+                              constant(0, device), constant(plan.Lq, device), None, plan.scale,
+                              plan.Lkv, out_strides=plan.out_strides)
+        return out, lse, torch.empty(0, dtype=torch.float32, device=device)
+    return run_forward(plan, query, key, value, score_buffers, mask_buffers, block_lists, want_max)
+
+
+@attention.register_fake
+def _attention_fake(query, key, value, score_buffers, mask_buffers, block_lists, score_mod, mask_mod,
+                    block_size, mask_lengths, scale, enable_gqa, options, want_max):
+    if all(isinstance(n, int) for t in (query, key, value) for n in t.shape):
+        # Concrete sizes: the whole planner runs, so a bad call fails while compiling.
+        plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers,
+                       block_lists, block_size, mask_lengths, scale, enable_gqa, options, want_max)
+    B, Hq, Lq = query.shape[:3]
+    out = query.new_empty_strided((B, Hq, Lq, value.shape[3]), out_strides(query, value.shape[3]))
+    lse = query.new_empty((B, Hq, Lq), dtype=torch.float32)
+    return out, lse, query.new_empty((B, Hq, Lq) if want_max else (0,), dtype=torch.float32)
+
+
+def check_backward(query, key, value, score_buffers, mask_buffers, block_lists, score_mod, mask_mod,
+                   block_size, mask_lengths, scale, enable_gqa, options, want_max):
+    """Plan the backward of a call whose inputs require grad: a score_mod that cannot be
+    differentiated raises GradientError now, not when backward() runs."""
+    plan = plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers,
+                          block_lists, block_size, mask_lengths, scale, enable_gqa, options)
+    plan_backward(plan, query, key, value, _backward.grad_slots(score_buffers))
+
+
+def _setup_attention(ctx, inputs, output):
+    (query, key, value, score_buffers, mask_buffers, block_lists, *rest) = inputs
+    # torch.compile traces this (call_attention's check is skipped while compiling); an eager
+    # call has been checked by call_attention already.
+    if torch.compiler.is_compiling() and all(isinstance(n, int) for t in (query, key, value)
+                                             for n in t.shape):
+        check_backward(*inputs)
+    out, lse, max_scores = output
+    ctx.set_materialize_grads(False)          # an unused output's gradient stays None
+    ctx.mark_non_differentiable(max_scores)
+    ctx.save_for_backward(query, key, value, out, lse, *score_buffers, *mask_buffers, *block_lists)
+    ctx.counts = (len(score_buffers), len(mask_buffers), len(block_lists))
+    ctx.rest = tuple(rest)                    # score_mod ... want_max
+    ctx.grad_slots = _backward.grad_slots(score_buffers)
+
+
+def _attention_grad(ctx, grad_out, grad_lse, grad_max):
+    query, key, value, out, lse, *saved = ctx.saved_tensors
+    ns, nm, nl = ctx.counts
+    score_buffers, mask_buffers, block_lists = saved[:ns], saved[ns:ns + nm], saved[ns + nm:]
+    needs = ctx.needs_input_grad
+    score_mod, mask_mod, block_size, mask_lengths, scale, enable_gqa, options, want_max = ctx.rest
+    slots = [i for i in ctx.grad_slots if needs[3][i]]
+    grads = [None] * ns
+    dq = dk = dv = None
+    if grad_out is not None or grad_lse is not None:
+        dq, dk, dv, buffer_grads = attention_backward(
+            query, key, value, out, lse, grad_out, grad_lse, list(score_buffers), list(mask_buffers),
+            list(block_lists), score_mod, mask_mod, block_size, mask_lengths, scale, enable_gqa,
+            options, slots, needs[1] or needs[2])
+        for slot, g in zip(slots, buffer_grads):
+            grads[slot] = g
+    # One entry per input in the structure autograd checks: a tensor list as a list of as
+    # many, an int list as one entry (an empty one as an empty list).
+    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
+            grads, [None] * nm, [None] * nl, None, None, None if block_size else [],
+            None if mask_lengths else [], None, None, None, None)
+
+
+attention.register_autograd(_attention_grad, setup_context=_setup_attention)
+
+
+@torch.library.custom_op("flexgen::attention_backward", mutates_args=())
+def attention_backward(query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
+                       grad_out: Tensor | None, grad_lse: Tensor | None, score_buffers: list[Tensor],
+                       mask_buffers: list[Tensor], block_lists: list[Tensor], score_mod: str,
+                       mask_mod: str, block_size: list[int], mask_lengths: list[int], scale: float,
+                       enable_gqa: bool, options: str, grad_slots: list[int],
+                       needs_kv: bool) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """flex_attention's backward: (dq, dk, dv (empty unless ``needs_kv``), gradients of the
+    captured tensors in ``grad_slots``, in that order)."""
+    device = query.device
+    score_buffers, mask_buffers = _on_device(score_buffers, device), _on_device(mask_buffers, device)
+    plan = plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers,
+                          block_lists, block_size, mask_lengths, scale, enable_gqa, options, False)
+    bw = plan_backward(plan, query, key, value, tuple(grad_slots))
+    dq, dk, dv, grads = _backward.run_backward(
+        bw, plan, query, key, value, out, lse, grad_out, grad_lse, score_buffers, mask_buffers,
+        block_lists, needs_kv)
+    return _grad_outputs(query, dq, dk, dv, grads, grad_slots, needs_kv)
+
+
+@attention_backward.register_fake
+def _attention_backward_fake(query, key, value, out, lse, grad_out, grad_lse, score_buffers,
+                             mask_buffers, block_lists, score_mod, mask_mod, block_size, mask_lengths,
+                             scale, enable_gqa, options, grad_slots, needs_kv):
+    empty = query.new_empty((0,))
+    return (torch.empty_like(query, memory_format=torch.contiguous_format),
+            key.new_empty(key.shape) if needs_kv else empty,
+            value.new_empty(value.shape) if needs_kv else query.new_empty((0,)),
+            [torch.empty_like(score_buffers[i]) for i in grad_slots])
+
+
+def call_attention(query, key, value, score_buffers, mask_buffers, block_lists, score_mod, mask_mod,
+                   block_size, mask_lengths, scale, enable_gqa, options, want_max):
+    """``attention``, straight to its implementation where nothing needs the op (``_eager``)."""
+    args = (query, key, value, list(score_buffers), list(mask_buffers), list(block_lists), score_mod,
+            mask_mod, list(block_size), list(mask_lengths), scale, enable_gqa, options, want_max)
+    if _eager(query, key, value, *score_buffers, *mask_buffers):
+        return _attention(*args)
+    if not torch.compiler.is_compiling() and torch.is_grad_enabled() and any(
+            t.requires_grad for t in (query, key, value, *score_buffers)):
+        check_backward(*args)      # before the forward kernel runs (torch.compile: setup_context)
+    return torch.ops.flexgen.attention(*args)
+
+# ---------------------------------------------------------------------------------- block masks
+
+# cudagraph_unsafe: building the lists reads values back to the host (the element-wise
+# pass visits only the blocks it must), which a CUDA graph capture cannot contain; under
+# mode="reduce-overhead" torch.compile runs this op outside its graphs.
+@torch.library.custom_op("flexgen::block_mask", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def block_mask(mask_buffers: list[Tensor], mask_mod: str, B: int, H: int, Q_LEN: int, KV_LEN: int,
+               Q_BLOCK: int, KV_BLOCK: int, device: torch.device) -> Tensor:
+    """create_block_mask's lists, as one int32 tensor (``flexgen.masks.builder.layout``)."""
+    return builder.build(_on_device(mask_buffers, device), mask_mod, B, H, Q_LEN, KV_LEN,
+                         Q_BLOCK, KV_BLOCK, device)
+
+
+@block_mask.register_fake
+def _block_mask_fake(mask_buffers, mask_mod, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device):
+    return torch.empty(builder.layout(B, H, -(-Q_LEN // Q_BLOCK), -(-KV_LEN // KV_BLOCK)).size,
+                       dtype=torch.int32, device=device)
+
+
+def call_block_mask(mask_buffers, mask_mod, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device):
+    args = (list(mask_buffers), mask_mod, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device)
+    if _eager(*mask_buffers):
+        return builder.build(_on_device(args[0], device), *args[1:])
+    return torch.ops.flexgen.block_mask(*args)
