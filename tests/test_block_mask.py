@@ -514,7 +514,9 @@ def test_gpu_mask_build_and_attention_do_not_sync():
 def test_gpu_first_mask_build_compiles_nothing_and_does_not_sync(name, monkeypatch):
     """A process's first build of a mask on the GPU classifies its blocks and fills its lists
     with torch ops: no kernel launched (none to compile), nothing read back to the host; the
-    second build launches the block-mask kernel and the lists kernel. Both give the CPU's lists."""
+    second build launches the block-mask kernel and the lists kernel. A first build whose
+    kernels need no compile (``launch.ready``) launches them, reading nothing back either.
+    All give the CPU's lists."""
     from flexgen.masks import builder
     from flexgen.runtime import launch
     ids = M.doc_ids_from_lengths([300, 1, 450, 249])
@@ -529,16 +531,26 @@ def test_gpu_first_mask_build_compiles_nothing_and_does_not_sync(name, monkeypat
     launched, original = [], launch.run
     monkeypatch.setattr(launch, "run", lambda spec, *a, **k: launched.append(spec.template) or
                         original(spec, *a, **k))
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        first = create_block_mask(mod, None, None, 1000, 1000, device="cuda")
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    real_ready = launch.ready
+    monkeypatch.setattr(launch, "ready", lambda *a: False)     # as in a process with no kernels
+
+    def synced_build():
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return create_block_mask(mod, None, None, 1000, 1000, device="cuda")
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    first = synced_build()
     assert launched == []
     second = create_block_mask(mod, None, None, 1000, 1000, device="cuda")
     assert launched == ["block_mask", "block_lists"]
+    monkeypatch.setattr(launch, "ready", real_ready)            # the kernels are loaded now
+    monkeypatch.setattr(builder, "_BUILT", set())
+    third = synced_build()
+    assert launched == ["block_mask", "block_lists"] * 2
     want = create_block_mask(mod_on("cpu"), None, None, 1000, 1000, device="cpu")
-    for a, b, c in zip(first.as_tuple(), second.as_tuple(), want.as_tuple()):
+    for a, b, c, d in zip(first.as_tuple(), second.as_tuple(), third.as_tuple(), want.as_tuple()):
         if isinstance(a, torch.Tensor):
-            assert torch.equal(a.cpu(), c) and torch.equal(b.cpu(), c)
+            assert torch.equal(a.cpu(), d) and torch.equal(b.cpu(), d) and torch.equal(c.cpu(), d)

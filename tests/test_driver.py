@@ -175,8 +175,15 @@ def test_a_binary_is_found_again_in_the_restart_index(monkeypatch, tmp_path):
         index.clear_memos()
         return driver.load(module, "spec-key", classes, args, dict(BLOCK=64), 0)
 
+    index.clear_memos()
+    assert driver.load(module, "spec-key", classes, args, dict(BLOCK=64), 0, compile_missing=False) is None
+    assert compiles == [] and loaded == []          # not recorded: nothing compiled
     load()
     assert len(compiles) == 1 and len(loaded) == 1
+    index.clear_memos()
+    assert driver.load(module, "spec-key", classes, args, dict(BLOCK=64), 0, compile_missing=False)
+    assert len(compiles) == 1 and len(loaded) == 2
+    loaded.pop()
     load()
     assert len(compiles) == 1 and len(loaded) == 2
     assert loaded[1]["cubin"] == loaded[0]["cubin"] and list(loaded[1]["layout"][0]) == list(loaded[0]["layout"][0])

@@ -382,6 +382,24 @@ def test_warmup_compiles_the_mask_kernel(sync_free):
     assert sync_free == [True, "lists"] * 2   # forgotten: torch ops again
 
 
+def test_a_first_build_launches_kernels_a_previous_process_compiled(sync_free, monkeypatch):
+    """A first build whose kernels need no compile (``launch.ready``: loaded, or recorded in
+    the restart index by a previous process) launches them instead of the torch ops."""
+    asked = []
+    monkeypatch.setattr(launch, "ready", lambda spec, device, inputs: asked.append(spec.template) or True)
+    mask_mod = MODS["sliding_window"][0]
+    mask = create_block_mask(mask_mod, None, None, 130, 130, device="cpu", BLOCK_SIZE=32)
+    assert sync_free == [True, "lists"] and asked == ["block_mask", "block_lists"]
+    _check_states(mask, mask_mod, 1, 1, 130, 130, 32, 32)
+
+
+def test_launch_ready_is_false_where_no_compiled_kernel_runs():
+    """The interpreter compiles nothing, but nothing compiled runs there either: the torch
+    ops stay the first build's path on the CPU."""
+    spec = builder.lists_spec()
+    assert not launch.ready(spec, torch.device("cpu"), {})
+
+
 @pytest.mark.parametrize("lines,result,kind,what", [
     (("m_0 = q_idx // 3",), "m_0 >= kv_idx", "bool", "FloorDiv"),      # C rounding in Triton
     (("m_0 = q_idx % 3",), "m_0 >= kv_idx", "bool", "Mod"),

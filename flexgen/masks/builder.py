@@ -16,7 +16,9 @@ that kernel costs seconds, and a process that builds a mask once (a restart, a
 script) would pay them for one launch: so the first build of a mask in a process,
 where the grid is also small enough for torch ops, classifies every block with
 ``mask_eval`` instead, and only a second build of the same mask launches (and
-compiles) the kernel. A warm-up (``compile_on_first_build``) compiles it at once.
+compiles) the kernel. A warm-up (``compile_on_first_build``) compiles it at once, and
+a first build whose kernel a previous process compiled (its binary in the restart
+index: ``launch.ready``) launches it, as the torch ops' first use costs more then.
 The lists are written the same way: by one generated kernel on a GPU (``fill_lists``),
 generic so one compile serves every mask, and with torch ops the first time a process
 fills lists.
@@ -135,10 +137,10 @@ def fill_lists(hit: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         # slow host (the H100's): most of a build's host time, paid every step by a
         # training step that builds its mask. One launch replaces them.
         spec = lists_spec()
-        if not _first_build(spec) or _COMPILE_ON_FIRST_BUILD:
+        inputs = dict(hits=hit.contiguous(), out=out, n_kv=lay.n_kv, n_q=lay.n_q, n_idx=lay.n_idx)
+        if _kernel_now(spec, hit.device, inputs):
             from ..runtime import launch
-            launch.run(spec, hit.device, dict(hits=hit.contiguous(), out=out, n_kv=lay.n_kv,
-                                              n_q=lay.n_q, n_idx=lay.n_idx))
+            launch.run(spec, hit.device, inputs)
             return out
     kv_num, q_num, kv_idx, q_idx = lay.stacked(out)
     torch.sum(hit, -1, dtype=torch.int32, out=kv_num)
@@ -184,12 +186,14 @@ def block_hits(lowered, traced, B, H, Q_LEN, KV_LEN, q_block, kv_block, device) 
     if sync_free and B * H * Q_LEN * KV_LEN <= EVERY_MAX_ELEMENTS:
         from . import mask_eval
         spec = block_mask_spec(lowered, dense=True)
+        inputs = _dense_inputs(traced, hit, Q_LEN, KV_LEN, q_block, kv_block, every=True)
         # A mask's first build in the process: torch ops, no kernel to compile (EVERY_MAX_ELEMENTS).
-        by_torch = (_first_build(spec) and not _COMPILE_ON_FIRST_BUILD
-                    and hit.numel() // 2 * q_block * kv_block <= mask_eval.TORCH_MAX_ELEMENTS)
+        by_torch = (hit.numel() // 2 * q_block * kv_block <= mask_eval.TORCH_MAX_ELEMENTS
+                    and not _kernel_now(spec, hit.device, inputs))
         if not (by_torch and _classify_every_with_torch(lowered, traced, hit, Q_LEN, KV_LEN,
                                                         q_block, kv_block)):
-            _classify_in_place(lowered, traced, hit, Q_LEN, KV_LEN, q_block, kv_block, every=True, spec=spec)
+            from ..runtime import launch
+            launch.run(spec, hit.device, inputs)
         return hit
     undecided, full = hit.unbind(0)
     # The recorded block-bounds program (no sympy in a warm process), or the expression.
@@ -207,6 +211,15 @@ def block_hits(lowered, traced, B, H, Q_LEN, KV_LEN, q_block, kv_block, device) 
         hit[(slice(None), *blocks.unbind(1))] = _classify_undecided(
             lowered, traced, blocks, Q_LEN, KV_LEN, q_block, kv_block, B, H)
     return hit
+
+
+def _kernel_now(spec, device, inputs) -> bool:
+    """Whether this build launches ``spec``'s kernel rather than torch ops: any build after the
+    process's first with the spec, a warm-up's (``compile_on_first_build``), and a first one
+    whose kernel needs no compile (``launch.ready``: a previous process recorded it)."""
+    from ..runtime import launch
+    first = _first_build(spec)
+    return not first or bool(_COMPILE_ON_FIRST_BUILD) or launch.ready(spec, device, inputs)
 
 
 def _first_build(spec) -> bool:
@@ -259,13 +272,17 @@ def clear_memos() -> None:
     _BUILT.clear()
 
 
-def _classify_in_place(lowered, traced, hit, Q_LEN, KV_LEN, q_block, kv_block, every=False,
-                       spec=None) -> None:
-    """The dense block-mask kernel over ``hit``: its undecided blocks, or (``every``) all."""
+def _dense_inputs(traced, hit, Q_LEN, KV_LEN, q_block, kv_block, every=False) -> dict:
+    """The dense block-mask kernel's inputs over ``hit``: its undecided blocks, or (``every``) all."""
+    return dict(hits=hit, mask_buffers=traced.buffers, q_len=Q_LEN, kv_len=KV_LEN,
+                q_block=q_block, kv_block=kv_block, every=every)
+
+
+def _classify_in_place(lowered, traced, hit, Q_LEN, KV_LEN, q_block, kv_block) -> None:
+    """The dense block-mask kernel over ``hit``'s undecided blocks."""
     from ..runtime import launch
-    launch.run(spec or block_mask_spec(lowered, dense=True), hit.device,
-               dict(hits=hit, mask_buffers=traced.buffers, q_len=Q_LEN, kv_len=KV_LEN,
-                    q_block=q_block, kv_block=kv_block, every=every))
+    launch.run(block_mask_spec(lowered, dense=True), hit.device,
+               _dense_inputs(traced, hit, Q_LEN, KV_LEN, q_block, kv_block))
 
 
 def block_mask_spec(lowered, dense: bool = False):

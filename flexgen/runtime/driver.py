@@ -284,12 +284,13 @@ def _encode(ptr, shape, strides, meta: tuple, nan: bool, tf32: bool) -> bytes:
 
 # ----------------------------------------------------------------------------- loading
 
-def load(module, spec_key: str, classes: tuple, args, constexprs: dict, device_index: int):
+def load(module, spec_key: str, classes: tuple, args, constexprs: dict, device_index: int,
+         compile_missing: bool = True):
     """The Binary for a launch of ``module``'s kernel (spec ``spec_key``, its arguments of
     ``classes`` as ``flexgen.runtime.launch`` keys them): from the restart index where a
     previous process recorded it (no specialization, no ``triton.compile``: a warm
-    restart's first call), else compiled now and recorded. None where ``Binary.of``
-    declines the kernel."""
+    restart's first call), else compiled now and recorded (None instead without
+    ``compile_missing``). None where ``Binary.of`` declines the kernel."""
     from ..codegen import index
     key = _index_key(module, spec_key, classes, constexprs, device_index)
     entry = index.get("binary", key, memo=False)
@@ -298,6 +299,8 @@ def load(module, spec_key: str, classes: tuple, args, constexprs: dict, device_i
             return Binary(dict(entry, cubin=base64.b64decode(entry["cubin"])), device_index)
         except (KeyError, TypeError, ValueError, struct.error):
             pass        # another flexgen's layout: compile again
+    if not compile_missing:
+        return None
     compiled = compile_for_device(module, args, constexprs, target(device_index))
     binary = Binary.of(compiled, len(args), device_index)
     if binary is not None:

@@ -277,6 +277,17 @@ def _launch_once(spec: KernelSpec, device: torch.device, inputs):
     grid, args, constexprs = module.arguments(**inputs)
     if RECORDED is not None:
         RECORDED.append((spec, tuple(_recorded(a) for a in args), constexprs))
+    constexprs = _mode_constexprs(spec, module, constexprs, interpret)
+    if interpret:
+        options = dict(num_warps=module.NUM_WARPS, num_stages=getattr(module, "NUM_STAGES", 1))
+        with _library_interpreted():
+            module.KERNEL[grid](*args, **constexprs, **options)
+        return None
+    return _launch_compiled(spec, module, grid, args, constexprs)
+
+
+def _mode_constexprs(spec: KernelSpec, module, constexprs: dict, interpret: bool) -> dict:
+    """The constexprs that depend on where the kernel runs (interpreter or GPU)."""
     if "DOT_UPCAST" in module.KERNEL.arg_names:
         # The interpreter's bf16 tl.dot is wrong; kernels multiply in float32 there.
         constexprs = dict(constexprs, DOT_UPCAST=interpret)
@@ -285,12 +296,35 @@ def _launch_once(spec: KernelSpec, device: torch.device, inputs):
         # the exact formula where no PTX runs and for float32.
         constexprs = dict(constexprs, EXACT_SIGMOID=interpret or EXACT_SIGMOID
                           or not cache.half_inputs(spec))
-    if interpret:
-        options = dict(num_warps=module.NUM_WARPS, num_stages=getattr(module, "NUM_STAGES", 1))
-        with _library_interpreted():
-            module.KERNEL[grid](*args, **constexprs, **options)
-        return None
-    return _launch_compiled(spec, module, grid, args, constexprs)
+    return constexprs
+
+
+def ready(spec: KernelSpec, device: torch.device, inputs: dict) -> bool:
+    """Whether launching ``spec`` on ``inputs`` now needs no compile: its kernel is loaded in
+    this process, or a previous process recorded its binary in the restart index (loaded
+    here, for the launch that follows). False on the interpreter (no compiled kernel runs
+    there) and where Triton's own launch path would run.
+
+    For a caller with a cheaper way than a first compile (create_block_mask's torch ops
+    for a mask built once)."""
+    if uses_interpreter(device) or RECORDED is not None or not driver.usable():
+        return False
+    module = cache.load(spec, interpret=False)
+    _, args, constexprs = module.arguments(**inputs)
+    constexprs = _mode_constexprs(spec, module, constexprs, False)
+    classes = _arg_classes(args)
+    if classes is None or not (_hooks_idle() and _compile_hooks_idle()):
+        return False
+    device_index = torch.cuda.current_device()
+    key = (spec.key, device_index, classes, *constexprs.values())
+    if key not in _COMPILED:
+        compiler_key.install()
+        binary = driver.load(module, spec.key, classes, args, constexprs, device_index,
+                             compile_missing=False)
+        if binary is None:
+            return False
+        _remember(key, binary)
+    return True
 
 
 # Direct launches. Triton's ``kernel[grid](...)`` binds every argument, works
