@@ -307,7 +307,7 @@ def ready(spec: KernelSpec, device: torch.device, inputs: dict) -> bool:
 
     For a caller with a cheaper way than a first compile (create_block_mask's torch ops
     for a mask built once)."""
-    if uses_interpreter(device) or RECORDED is not None or not driver.usable():
+    if uses_interpreter(device) or not driver.usable():
         return False
     module = cache.load(spec, interpret=False)
     _, args, constexprs = module.arguments(**inputs)
