@@ -190,18 +190,18 @@ def has_tma(device: torch.device) -> bool:
 _SPECS: dict = {}
 
 
-def kernel_spec(template: str, **fields) -> KernelSpec:
-    """The ``KernelSpec`` for these fields, one instance per distinct spec.
+def kernel_spec(template: str, spec_class: type = KernelSpec, **fields) -> KernelSpec:
+    """The ``KernelSpec`` (or ``spec_class``) for these fields, one instance per distinct spec.
 
     Reusing the instance keeps its cached key: hashing a new spec (sha256 of
     its fields) costs more than the rest of a warm call.
     """
-    memo = (template, *sorted(fields.items()))
+    memo = (spec_class, template, *sorted(fields.items()))
     spec = _SPECS.get(memo)
     if spec is None:
         if len(_SPECS) > 4096:       # specs made per call (a new mod each time): stay bounded
             _SPECS.clear()
-        spec = _SPECS[memo] = KernelSpec(template, **fields)
+        spec = _SPECS[memo] = spec_class(template, **fields)
     return spec
 
 

@@ -288,9 +288,10 @@ def _classify_in_place(lowered, traced, hit, Q_LEN, KV_LEN, q_block, kv_block) -
 def block_mask_spec(lowered, dense: bool = False):
     """The block-mask builder kernel's spec for a lowered mask_mod (its snippet and buffers):
     over a list of undecided blocks, or (``dense``) over every block of the grid in place."""
-    from ..codegen.spec import BlockMaskSpec
-    return BlockMaskSpec("block_mask", mask=lowered.snippet, mask_buffers=lowered.buffers,
-                         num_warps=4, dense=dense)
+    from ..codegen.spec import BlockMaskSpec, kernel_spec
+    # Interned: a mask built every step would hash a new spec's fields each time.
+    return kernel_spec("block_mask", BlockMaskSpec, mask=lowered.snippet, mask_buffers=lowered.buffers,
+                       num_warps=4, dense=dense)
 
 
 def _classify_undecided(lowered, traced, blocks, Q_LEN, KV_LEN, q_block, kv_block, B=None, H=None):
