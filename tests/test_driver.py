@@ -194,6 +194,20 @@ def test_a_binary_is_found_again_in_the_restart_index(monkeypatch, tmp_path):
     index.clear_memos()
 
 
+@needs_aot
+def test_a_triton_with_other_jit_internals_is_declined(monkeypatch):
+    """The binder and argument packing are Triton's internals: where they differ, load
+    declines (None: Triton's own launch path runs) instead of failing the call."""
+    import triton.runtime.jit as jit
+    monkeypatch.delattr(jit, "create_function_from_signature")
+    monkeypatch.setattr(driver, "target", lambda device_index: aot.HOPPER)
+    module = types.SimpleNamespace(KERNEL=_scale_kernel, NUM_WARPS=4, NUM_STAGES=2)
+    args = [torch.randn(64), torch.empty(64), 50, 1, 0.5, 3]
+    with pytest.raises(driver.Unsupported):
+        driver.compile_for_device(module, args, dict(BLOCK=64), aot.HOPPER)
+    assert driver.load(module, "spec-key", (), args, dict(BLOCK=64), 0) is None
+
+
 def test_it_is_off_without_a_driver_or_when_switched_off(monkeypatch):
     monkeypatch.setattr(driver, "ENABLED", False)
     assert not driver.usable()

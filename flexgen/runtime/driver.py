@@ -105,25 +105,36 @@ def target(device_index: int):
     return found
 
 
+class Unsupported(Exception):
+    """This Triton's JIT internals are not the ones ``compile_for_device`` reproduces."""
+
+
 def compile_for_device(module, args, constexprs: dict, target):
     """Triton's compiled kernel of ``module.KERNEL`` for a launch with ``args`` and
     ``constexprs`` on ``target``, specialized exactly as Triton's JIT would (its generated
-    binder and argument packing: the same kernel, the same cache entry)."""
+    binder and argument packing: the same kernel, the same cache entry).
+
+    Those are Triton's internals (3.6 to 3.9 have them): on a Triton whose binder or
+    packing differ it raises ``Unsupported``, and ``load`` declines (Triton's JIT then
+    launches the kernel). Compile errors propagate as they are."""
     import triton
     from triton import knobs
     from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
 
     kernel = module.KERNEL
     backend = make_backend(target)
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     options = dict(constexprs, num_warps=module.NUM_WARPS,
                    num_stages=getattr(module, "NUM_STAGES", 1),
                    debug=kernel.debug or knobs.runtime.debug,
                    instrumentation_mode=knobs.compilation.instrumentation_mode)
-    bound, specialization, options_in = binder(*args, **options)
-    parsed, signature, fixed, attrs = kernel._pack_args(backend, options, bound, specialization,
-                                                        options_in)
+    try:
+        from triton.runtime.jit import create_function_from_signature
+        binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+        bound, specialization, options_in = binder(*args, **options)
+        parsed, signature, fixed, attrs = kernel._pack_args(backend, options, bound,
+                                                            specialization, options_in)
+    except (ImportError, AttributeError, TypeError, ValueError) as exc:
+        raise Unsupported(f"{type(exc).__name__}: {exc}") from exc
     source_class = ASTSource
     if getattr(kernel, "is_gluon", lambda: False)():
         from triton.experimental.gluon._runtime import GluonASTSource as source_class
@@ -301,7 +312,10 @@ def load(module, spec_key: str, classes: tuple, args, constexprs: dict, device_i
             pass        # another flexgen's layout: compile again
     if not compile_missing:
         return None
-    compiled = compile_for_device(module, args, constexprs, target(device_index))
+    try:
+        compiled = compile_for_device(module, args, constexprs, target(device_index))
+    except Unsupported:
+        return None
     binary = Binary.of(compiled, len(args), device_index)
     if binary is not None:
         index.put("binary", key, dict(binary.kernel, cubin=base64.b64encode(binary.kernel["cubin"]).decode(),
