@@ -229,16 +229,22 @@ def decline_reason(compiled, n_args: int) -> str | None:
     """Why ``Binary.of`` would decline a compiled kernel launched with ``n_args`` positional
     arguments (Triton's own launcher then runs it), or None. The test suite asks this of
     every kernel it compiles for sm_90, so a kernel that would lose the fast path fails there."""
+    return _checked_layout(compiled, n_args)[0]
+
+
+def _checked_layout(compiled, n_args: int) -> tuple:
+    """(why the kernel is declined or None, its ``_layout`` where it is not)."""
     metadata = compiled.metadata
     for name, fine in (("num_ctas", 1), ("global_scratch_size", 0), ("profile_scratch_size", 0),
                        ("launch_cooperative_grid", False), ("launch_pdl", False)):
         value = getattr(metadata, name, fine)
         if value != fine:
-            return f"its metadata has {name}={value!r} (this launcher handles {fine!r} only)"
-    if _layout(compiled, n_args) is None:
+            return f"its metadata has {name}={value!r} (this launcher handles {fine!r} only)", None
+    layout = _layout(compiled, n_args)
+    if layout is None:
         return ("its parameters do not lay out as Triton's launcher passes them, checked "
-                "against the PTX entry")
-    return None
+                "against the PTX entry"), None
+    return None, layout
 
 
 # ----------------------------------------------------------------------------- TMA descriptors
@@ -318,8 +324,8 @@ def load(module, spec_key: str, classes: tuple, args, constexprs: dict, device_i
         return None
     binary = Binary.of(compiled, len(args), device_index)
     if binary is not None:
-        index.put("binary", key, dict(binary.kernel, cubin=base64.b64encode(binary.kernel["cubin"]).decode(),
-                                      layout=list(binary.kernel["layout"])), memo=False)
+        index.put("binary", key, dict(binary.kernel, cubin=base64.b64encode(binary.kernel["cubin"]).decode()),
+                  memo=False)
     return binary
 
 
@@ -347,12 +353,13 @@ class Binary:
         """The Binary of ``compiled`` for launches with ``n_args`` positional arguments, or
         None where this module does not launch it (Triton's path runs instead). Raises
         Triton's OutOfResources where the GPU cannot run it, as Triton's loader does."""
-        if decline_reason(compiled, n_args) is not None:
+        reason, layout = _checked_layout(compiled, n_args)
+        if reason is not None:
             return None
         metadata = compiled.metadata
         return cls(dict(name=metadata.name, cubin=compiled.asm["cubin"], num_warps=metadata.num_warps,
-                        shared=metadata.shared, layout=_layout(compiled, n_args),
-                        metas=_descriptor_metas(metadata)), device_index)
+                        shared=metadata.shared, layout=layout, metas=_descriptor_metas(metadata)),
+                   device_index)
 
     def __init__(self, kernel: dict, device_index: int):
         """``kernel``: name, cubin (bytes), num_warps, shared (bytes), layout (``_layout``'s
@@ -401,18 +408,7 @@ class Binary:
     def launch(self, grid, stream: int, args) -> None:
         """Launch on ``stream`` (a raw CUstream) with the grid and arguments a generated
         module's ``arguments`` gave (their first ``n_args``; constexprs are not parameters)."""
-        g0 = grid[0]
-        g1 = grid[1] if len(grid) > 1 else 1
-        g2 = grid[2] if len(grid) > 2 else 1
-        if g0 * g1 * g2 == 0:
-            return
-        values = self.pack(args)
-        with self._lock:        # one parameter buffer; the driver copies it at the launch
-            struct.pack_into(self.fmt, self.buffer, 0, *values)
-            result = self._launch(self.function, g0, g1, g2, self.threads, 1, 1, self.shared,
-                                  stream, self.params, None)
-        if result != 0:
-            _check(result, f"cuLaunchKernel of {self.name}")
+        self.launch_packed(tuple(grid) + (1,) * (3 - len(grid)), stream, self.pack(args))
 
     def replayer(self, args, swaps):
         """A packer for replays of one launch (``launch.Replay``): only the fresh tensors are
@@ -431,10 +427,10 @@ class Binary:
                        lambda i: f"a[{fresh[i][0]}]" if i in fresh else f"c{i}", constants)
 
     def launch_packed(self, grid, stream: int, values) -> None:
-        """``launch`` with the parameter values already packed (a replayer's)."""
+        """``launch`` with the parameter values already packed (a replayer's), on a grid of 3."""
         if grid[0] * grid[1] * grid[2] == 0:
             return
-        with self._lock:
+        with self._lock:        # one parameter buffer; the driver copies it at the launch
             struct.pack_into(self.fmt, self.buffer, 0, *values)
             result = self._launch(self.function, grid[0], grid[1], grid[2], self.threads, 1, 1,
                                   self.shared, stream, self.params, None)

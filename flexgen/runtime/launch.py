@@ -313,18 +313,10 @@ def ready(spec: KernelSpec, device: torch.device, inputs: dict) -> bool:
     _, args, constexprs = module.arguments(**inputs)
     constexprs = _mode_constexprs(spec, module, constexprs, False)
     classes = _arg_classes(args)
-    if classes is None or not (_hooks_idle() and _compile_hooks_idle()):
+    if classes is None or not _hooks_idle():
         return False
-    device_index = torch.cuda.current_device()
-    key = (spec.key, device_index, classes, *constexprs.values())
-    if key not in _COMPILED:
-        compiler_key.install()
-        binary = driver.load(module, spec.key, classes, args, constexprs, device_index,
-                             compile_missing=False)
-        if binary is None:
-            return False
-        _remember(key, binary)
-    return True
+    key = (spec.key, torch.cuda.current_device(), classes, *constexprs.values())
+    return _launcher(key, spec, module, args, constexprs, compile_missing=False) is not None
 
 
 # Direct launches. Triton's ``kernel[grid](...)`` binds every argument, works
@@ -415,12 +407,7 @@ def _launch_compiled(spec: KernelSpec, module, grid, args, constexprs):
     key = None
     if classes is not None and _hooks_idle():
         key = (spec.key, device_index, classes, *constexprs.values())
-        launcher = _COMPILED.get(key)
-        if launcher is None and driver.usable() and _compile_hooks_idle():
-            compiler_key.install()
-            launcher = driver.load(module, spec.key, classes, args, constexprs, device_index)
-            if launcher is not None:
-                _remember(key, launcher)
+        launcher = _launcher(key, spec, module, args, constexprs)
         if launcher is not None:
             launcher.launch(grid, torch._C._cuda_getCurrentRawStream(device_index), args)
             return launcher, grid, args, device_index
@@ -434,6 +421,20 @@ def _launch_compiled(spec: KernelSpec, module, grid, args, constexprs):
         _remember(key, launcher)
         return launcher, grid, args, device_index
     return None
+
+
+def _launcher(key, spec: KernelSpec, module, args, constexprs, compile_missing: bool = True):
+    """The launcher kept under ``key`` (spec key, device index, argument classes, constexpr
+    values), or the driver's Binary for it, loaded from the restart index or compiled
+    (``compile_missing``) and kept; None where the driver declines (Triton's path then)."""
+    launcher = _COMPILED.get(key)
+    if launcher is None and driver.usable() and _compile_hooks_idle():
+        compiler_key.install()
+        launcher = driver.load(module, spec.key, key[2], args, constexprs, key[1],
+                               compile_missing=compile_missing)
+        if launcher is not None:
+            _remember(key, launcher)
+    return launcher
 
 
 def _remember(key, launcher) -> None:

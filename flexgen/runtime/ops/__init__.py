@@ -66,6 +66,23 @@ def _grad_outputs(query, dq, dk, dv, grads, grad_slots, needs_kv) -> tuple:
     return dq, dk if needs_kv else empty, dv if needs_kv else empty.clone(), [grads[i] for i in grad_slots]
 
 
+def _backward_fake(query, key, value, score_buffers, grad_slots, needs_kv) -> tuple:
+    """The shapes an attention-style backward op returns: (dq, dk, dv (empty unless
+    ``needs_kv``), gradients of the captured tensors in ``grad_slots``)."""
+    # (Two empty tensors, not one: an op's outputs must not alias one another.)
+    return (torch.empty_like(query, memory_format=torch.contiguous_format),
+            key.new_empty(key.shape) if needs_kv else query.new_empty((0,)),
+            value.new_empty(value.shape) if needs_kv else query.new_empty((0,)),
+            [torch.empty_like(score_buffers[i]) for i in grad_slots])
+
+
+def _checks_backward(*tensors) -> bool:
+    """Whether an op's backward must be checked before its forward runs: eagerly, with a
+    gradient wanted for one of ``tensors`` (under torch.compile: setup_context does it)."""
+    return (not torch.compiler.is_compiling() and torch.is_grad_enabled()
+            and any(t.requires_grad for t in tensors))
+
+
 @torch.library.custom_op("flexgen::attention", mutates_args=())
 def attention(query: Tensor, key: Tensor, value: Tensor, score_buffers: list[Tensor],
               mask_buffers: list[Tensor], block_lists: list[Tensor], score_mod: str, mask_mod: str,
@@ -179,11 +196,7 @@ def attention_backward(query: Tensor, key: Tensor, value: Tensor, out: Tensor, l
 def _attention_backward_fake(query, key, value, out, lse, grad_out, grad_lse, score_buffers,
                              mask_buffers, block_lists, score_mod, mask_mod, block_size, mask_lengths,
                              scale, enable_gqa, options, grad_slots, needs_kv):
-    empty = query.new_empty((0,))
-    return (torch.empty_like(query, memory_format=torch.contiguous_format),
-            key.new_empty(key.shape) if needs_kv else empty,
-            value.new_empty(value.shape) if needs_kv else query.new_empty((0,)),
-            [torch.empty_like(score_buffers[i]) for i in grad_slots])
+    return _backward_fake(query, key, value, score_buffers, grad_slots, needs_kv)
 
 
 def call_attention(query, key, value, score_buffers, mask_buffers, block_lists, score_mod, mask_mod,
@@ -193,8 +206,7 @@ def call_attention(query, key, value, score_buffers, mask_buffers, block_lists, 
             mask_mod, list(block_size), list(mask_lengths), scale, enable_gqa, options, want_max)
     if _eager(query, key, value, *score_buffers, *mask_buffers):
         return _attention(*args)
-    if not torch.compiler.is_compiling() and torch.is_grad_enabled() and any(
-            t.requires_grad for t in (query, key, value, *score_buffers)):
+    if _checks_backward(query, key, value, *score_buffers):
         check_backward(*args)      # before the forward kernel runs (torch.compile: setup_context)
     return torch.ops.flexgen.attention(*args)
 

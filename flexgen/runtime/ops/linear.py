@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from ...kernels import backward as _backward
-from . import _eager, _on_device
+from . import _checks_backward, _eager, _on_device
 
 # ---------------------------------------------------------------------------------- linear attention
 #
@@ -154,8 +154,7 @@ def call_linear_attention(query, key, value, initial_state, decay_buffers, featu
                *(() if initial_state is None else (initial_state,)))
     if _eager(*tensors):
         return _linear_attention(*args)
-    if not torch.compiler.is_compiling() and torch.is_grad_enabled() and any(
-            t.requires_grad for t in tensors):
+    if _checks_backward(*tensors):
         check_linear_backward(*args)
     return torch.ops.flexgen.linear_attention(*args)
 

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from ...kernels import backward as _backward
 from ..plan import out_strides
-from . import _eager, _grad_outputs, _on_device
+from . import _backward_fake, _checks_backward, _eager, _grad_outputs, _on_device
 
 # ---------------------------------------------------------------------------------- sigmoid attention
 #
@@ -120,11 +120,7 @@ def sigmoid_attention_backward(query: Tensor, key: Tensor, value: Tensor, grad_o
 def _sigmoid_attention_backward_fake(query, key, value, grad_out, score_buffers, mask_buffers,
                                      block_lists, score_mod, mask_mod, block_size, mask_lengths, scale,
                                      bias, enable_gqa, options, grad_slots, needs_kv):
-    empty = query.new_empty((0,))
-    return (torch.empty_like(query, memory_format=torch.contiguous_format),
-            key.new_empty(key.shape) if needs_kv else empty,
-            value.new_empty(value.shape) if needs_kv else query.new_empty((0,)),
-            [torch.empty_like(score_buffers[i]) for i in grad_slots])
+    return _backward_fake(query, key, value, score_buffers, grad_slots, needs_kv)
 
 
 def call_sigmoid_attention(query, key, value, score_buffers, mask_buffers, block_lists, score_mod,
@@ -134,7 +130,6 @@ def call_sigmoid_attention(query, key, value, score_buffers, mask_buffers, block
             mask_mod, list(block_size), list(mask_lengths), scale, bias, enable_gqa, options)
     if _eager(query, key, value, *score_buffers, *mask_buffers):
         return _sigmoid_attention(*args)
-    if not torch.compiler.is_compiling() and torch.is_grad_enabled() and any(
-            t.requires_grad for t in (query, key, value, *score_buffers)):
+    if _checks_backward(query, key, value, *score_buffers):
         check_sigmoid_backward(*args)
     return torch.ops.flexgen.sigmoid_attention(*args)

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from ...kernels import backward as _backward
-from . import _eager, _grad_outputs, _on_device
+from . import _backward_fake, _checks_backward, _eager, _grad_outputs, _on_device
 
 # ---------------------------------------------------------------------------------- varlen attention
 #
@@ -123,11 +123,7 @@ def varlen_attention_backward(query: Tensor, key: Tensor, value: Tensor, out: Te
 def _varlen_attention_backward_fake(query, key, value, out, lse, grad_out, grad_lse, cu_q, cu_k,
                                     score_buffers, mask_buffers, score_mod, mask_mod, scale, enable_gqa,
                                     options, grad_slots, needs_kv):
-    empty = query.new_empty((0,))
-    return (torch.empty_like(query, memory_format=torch.contiguous_format),
-            key.new_empty(key.shape) if needs_kv else empty,
-            value.new_empty(value.shape) if needs_kv else query.new_empty((0,)),
-            [torch.empty_like(score_buffers[i]) for i in grad_slots])
+    return _backward_fake(query, key, value, score_buffers, grad_slots, needs_kv)
 
 
 def call_varlen_attention(query, key, value, cu_q, cu_k, score_buffers, mask_buffers, score_mod,
@@ -137,7 +133,6 @@ def call_varlen_attention(query, key, value, cu_q, cu_k, score_buffers, mask_buf
             scale, enable_gqa, options)
     if _eager(query, key, value, *score_buffers, *mask_buffers):
         return _varlen_attention(*args)
-    if not torch.compiler.is_compiling() and torch.is_grad_enabled() and any(
-            t.requires_grad for t in (query, key, value, *score_buffers)):
+    if _checks_backward(query, key, value, *score_buffers):
         check_varlen_backward(*args)
     return torch.ops.flexgen.varlen_attention(*args)
