@@ -188,3 +188,59 @@ print(sorted(m for m in sys.modules if m.startswith("flexgen.runtime.ops")))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "['flexgen.runtime.ops']"
+
+
+def test_a_first_call_runs_its_cold_steps_with_the_collector_paused(tmp_path):
+    """A cold first call's lowering, rendering, module load and kernel-module imports allocate
+    hundreds of thousands of long-lived objects; they run with Python's cyclic collector paused
+    (full collections cost 0.2 s each on the H100's host), which is on again afterwards, and a
+    collector the application turned off stays off."""
+    script = r"""
+import gc, json, sys, torch
+import flexgen
+from flexgen.codegen import cache
+from flexgen.frontend import lowering
+seen = {}
+def spy(name, fn):
+    def wrapped(*args, **kwargs):
+        seen[name] = gc.isenabled()
+        return fn(*args, **kwargs)
+    return wrapped
+lowering._lower = spy("lower", lowering._lower)
+cache.source = spy("render", cache.source)
+cache._execute = spy("execute", cache._execute)
+q = torch.randn(1, 1, 16, 16)
+bm = flexgen.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 16, 16, device="cpu")
+flexgen.flex_attention(q, q, q, score_mod=lambda s, b, h, i, j: s * 0.5, block_mask=bm)
+after = gc.isenabled()
+gc.disable()
+flexgen.flex_attention(q, q, q, score_mod=lambda s, b, h, i, j: s * 0.25)
+print(json.dumps({"seen": seen, "after": after, "kept_off": not gc.isenabled()}))
+"""
+    out = _run(tmp_path, script)
+    assert out["seen"] == {"lower": False, "render": False, "execute": False}, out
+    assert out["after"] and out["kept_off"]
+
+
+def test_a_mask_build_asks_for_a_recorded_kernel_without_rendering_it(tmp_path):
+    """Whether a first mask build may launch its kernel (``launch.ready``) starts with
+    ``cache.loaded_or_recorded``: False for a kernel neither loaded nor in the restart index,
+    found without rendering its module (Jinja's import and the template's compile, ~0.2 s of
+    a cold mask step on the H100's host); True in a later process once one rendered it."""
+    script = r"""
+import json, sys, torch
+from flexgen.codegen import cache
+from flexgen.frontend.lowering import lower
+from flexgen.frontend.trace import trace_cached
+from flexgen.masks import builder
+spec = builder.block_mask_spec(lower(trace_cached(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx - 3,
+                                                  "mask_mod")), dense=True)
+before, jinja = cache.loaded_or_recorded(spec), "jinja2" in sys.modules
+if sys.argv[1] == "render":
+    cache.module_text(spec)
+print(json.dumps({"before": before, "jinja": jinja}))
+"""
+    first = _run(tmp_path, script.replace("sys.argv[1]", "'render'"))
+    second = _run(tmp_path, script.replace("sys.argv[1]", "'no'"))
+    assert first == {"before": False, "jinja": False}
+    assert second == {"before": True, "jinja": False}

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from ..errors import FlexgenError
 from ..codegen.spec import KernelSpec
+from ..runtime import collector
 
 MAX_MODULES = 1024
 _MODULES: dict = {}          # (key, interpret) -> loaded module
@@ -119,9 +120,18 @@ def module_text(spec: KernelSpec) -> str:
     from . import index
     text = index.get("module", spec.key)
     if not isinstance(text, str):
-        text = source(spec)
+        with collector.paused():        # (Jinja's import and the template's compile)
+            text = source(spec)
         index.put("module", spec.key, text)
     return text
+
+
+def loaded_or_recorded(spec: KernelSpec) -> bool:
+    """Whether ``spec``'s module for the GPU is loaded in this process or its text is in the
+    restart index: else a load renders it (Jinja), and no compiled binary of it can be
+    recorded either."""
+    from . import index
+    return (spec.key, False) in _MODULES or isinstance(index.get("module", spec.key), str)
 
 
 def _read_private(path: Path, forbidden: int = stat.S_IWGRP | stat.S_IWOTH) -> bytes | None:
@@ -252,7 +262,8 @@ def load(spec: KernelSpec, interpret: bool):
         if module is None:
             text = module_text(spec)
             name = f"flexgen_kernels.{spec.kernel_name}{'_interp' if interpret else ''}"
-            module = _execute(name, text, _disk_copy(spec.kernel_name, text), interpret)
+            with collector.paused():    # (the module's imports: Triton, Gluon)
+                module = _execute(name, text, _disk_copy(spec.kernel_name, text), interpret)
             if not interpret and fast_tanh(spec) and "FAST_TANH" in vars(module):
                 # Before the first compile: Triton keys a kernel on the constexpr globals it reads.
                 module.FAST_TANH = type(module.FAST_TANH)(True)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from ..codegen.snippet import Snippet
 from ..codegen.spec import BufferSig
 from ..frontend.trace import TracedMod
+from ..runtime import collector
 
 PREFIX = {"score_mod": "s", "mask_mod": "m", "decay_mod": "d", "feature_map": "f"}
 
@@ -60,7 +61,8 @@ def lower(traced: TracedMod) -> LoweredMod:
         found = index.get("lowered", key)
         hit = None if found is None else _from_record(found, traced.graph, prefix)
         if hit is None:
-            hit = _lower(traced, prefix)
+            with collector.paused():
+                hit = _lower(traced, prefix)
             index.put("lowered", key, _record(hit))
         if len(_LOWERED) >= 4096:        # mods made per call: stay bounded
             _LOWERED.clear()

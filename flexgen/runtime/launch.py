@@ -24,7 +24,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..runtime import compiler_key, driver, tuning
+from ..runtime import collector, compiler_key, driver, tuning
 from ..codegen import cache
 from ..codegen.spec import KernelSpec
 
@@ -307,7 +307,7 @@ def ready(spec: KernelSpec, device: torch.device, inputs: dict) -> bool:
 
     For a caller with a cheaper way than a first compile (create_block_mask's torch ops
     for a mask built once)."""
-    if uses_interpreter(device) or not driver.usable():
+    if uses_interpreter(device) or not driver.usable() or not cache.loaded_or_recorded(spec):
         return False
     module = cache.load(spec, interpret=False)
     _, args, constexprs = module.arguments(**inputs)
@@ -413,7 +413,8 @@ def _launch_compiled(spec: KernelSpec, module, grid, args, constexprs):
             return launcher, grid, args, device_index
     options = dict(num_warps=module.NUM_WARPS, num_stages=getattr(module, "NUM_STAGES", 1))
     compiler_key.install()
-    kernel = module.KERNEL[grid](*args, **constexprs, **options)
+    with collector.paused():        # a first launch compiles
+        kernel = module.KERNEL[grid](*args, **constexprs, **options)
     names = module.KERNEL.arg_names
     if key is not None and kernel is not None and set(names[len(args):]) == set(constexprs):
         # The launcher takes every parameter in signature order; it skips the constexprs.
@@ -430,8 +431,9 @@ def _launcher(key, spec: KernelSpec, module, args, constexprs, compile_missing: 
     launcher = _COMPILED.get(key)
     if launcher is None and driver.usable() and _compile_hooks_idle():
         compiler_key.install()
-        launcher = driver.load(module, spec.key, key[2], args, constexprs, key[1],
-                               compile_missing=compile_missing)
+        with collector.paused():
+            launcher = driver.load(module, spec.key, key[2], args, constexprs, key[1],
+                                   compile_missing=compile_missing)
         if launcher is not None:
             _remember(key, launcher)
     return launcher

@@ -31,11 +31,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...kernels import backward as _backward
-from ...kernels.decode import constant, run_decode
-from ...kernels.forward import run_forward
-from ...masks import builder
-from ..plan import out_strides, plan_attention, plan_backward
+from .. import collector
+
+with collector.paused():        # a process's first import of the kernels, the planner and Triton
+    from ...kernels import backward as _backward
+    from ...kernels.decode import constant, run_decode
+    from ...kernels.forward import run_forward
+    from ...masks import builder
+    from ..plan import out_strides, plan_attention, plan_backward
 
 _PLAIN = (Tensor, torch.nn.Parameter)
 
