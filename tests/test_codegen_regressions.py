@@ -269,3 +269,18 @@ def test_every_traced_op_folds():
     ops = {name[3:] for name in dir(expr._Converter) if name.startswith("op_")} - {"var", "const", "load"}
     foldable = set(expr._FOLD) | set(expr._FOLD_IN_NODE_DTYPE) | set(expr._FOLD_LOGICAL)
     assert ops <= foldable, ops - foldable
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("L", [40, 128])
+def test_integer_score_mod_with_partial_and_full_blocks(dtype, L):
+    """A score_mod with an integer value (``q_idx``) in the forward's one loop over both block
+    lists: the mask's branch made the score float inside it only, which sm_90's compile
+    rejects (a value may not change type in a branch); found by the fuzzer."""
+    g = torch.Generator().manual_seed(L)
+    q, k, v = (torch.randn(1, 2, L, 32, generator=g).to(dtype) for _ in range(3))
+    bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, L, L,
+                           device="cpu", BLOCK_SIZE=32)
+    assert int(bm.kv_num_blocks.sum()) and int(bm.full_kv_num_blocks.sum())   # both lists visited
+    run_and_check(q, k, v, score_mod=lambda score, b, h, q_idx, kv_idx: q_idx * 0 + (kv_idx % 3),
+                  block_mask=bm, kernel_options=OPTIONS)
