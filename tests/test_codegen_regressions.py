@@ -284,3 +284,16 @@ def test_integer_score_mod_with_partial_and_full_blocks(dtype, L):
     assert int(bm.kv_num_blocks.sum()) and int(bm.full_kv_num_blocks.sum())   # both lists visited
     run_and_check(q, k, v, score_mod=lambda score, b, h, q_idx, kv_idx: q_idx * 0 + (kv_idx % 3),
                   block_mask=bm, kernel_options=OPTIONS)
+
+
+@pytest.mark.parametrize("cap", [1e4, 300.0])
+def test_exact_tanh_near_zero(cap):
+    """A soft-cap much larger than the scores: tanh's arguments near 0, where the exact
+    tanh's ``1 - exp(-2|x|)`` cancelled (cap 1e4: 3% relative error in float32); the
+    series takes over there."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 70, 32, generator=g) for _ in range(3))
+    bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 70, 70,
+                           device="cpu", BLOCK_SIZE=32)
+    run_and_check(q, k, v, score_mod=lambda score, b, h, q_idx, kv_idx: cap * torch.tanh(score / cap),
+                  block_mask=bm, kernel_options=OPTIONS)
