@@ -229,6 +229,9 @@ def child_main(args) -> int:
         r.update({name: t[name] for name in ("mask_s", "plan_s", "attn_s") if name in t})
         r["first_s"] = t["total_s"]
         r["cold_s"] = r["import_lib_s"] + r["first_s"]
+        # Whether the first call needed sympy (flexgen: a mod of a form it does not ship,
+        # flexgen.frontend.seeds, or a captured tensor's index checks; torch.compile always).
+        r["sympy_loaded"] = "sympy" in sys.modules
         out2, t = run_once()
         r["second_s"] = t.pop("total_s")
         r["second_steps"] = t
@@ -591,7 +594,8 @@ def main(argv=None) -> int:
                   + (f"plan {r['plan_s']:.2f}  " if "plan_s" in r else "")
                   + f"attn {r['attn_s']:.2f}  first {r['first_s']:.2f}  cold {r['cold_s']:.2f} s  "
                   f"2nd {r['second_s'] * 1e3:.1f} ms  maxerr {r['maxerr']:.1e}  "
-                  f"(process {r['process_s']:.1f} s, {r['cache']['cubin']} cubins, {r['new_cubins']} new)",
+                  f"(process {r['process_s']:.1f} s, {r['cache']['cubin']} cubins, {r['new_cubins']} new"
+                  f"{', sympy' if r.get('sympy_loaded') else ''})",
                   flush=True)
         write_json(json_path, payload)
         return r

@@ -266,7 +266,7 @@ def test_integer_division_by_constant_zero_is_a_trace_error():
 def test_every_traced_op_folds():
     """Each op the converter knows has a torch computation for constant operands."""
     from flexgen.frontend import expr
-    ops = {name[3:] for name in dir(expr._Converter) if name.startswith("op_")} - {"var", "const", "load"}
+    ops = {name[3:] for name in dir(expr._Converter) if name.startswith("op_")} - {"var", "const", "param", "load"}
     foldable = set(expr._FOLD) | set(expr._FOLD_IN_NODE_DTYPE) | set(expr._FOLD_LOGICAL)
     assert ops <= foldable, ops - foldable
 

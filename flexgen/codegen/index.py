@@ -6,7 +6,8 @@ kernel module's source) and the planner's analyses again, although a previous
 process computed exactly the same. The index keeps those results in the cache
 directory (``$FLEXGEN_CACHE_DIR/index/``), one small JSON file per entry:
 
-- ``lowered``: a mod's traced program text -> the lowered mod's facts
+- ``lowered``: a mod's lowered form (``flexgen.frontend.program.lowered_form``:
+  its program text, name dropped, data constants as parameters) -> the lowered mod's facts
   (``flexgen.frontend.lowering``: canonical text, printed snippet, buffer
   signatures, the facts the planner reads, the block-bounds program);
 - ``module``: a kernel spec's key -> its rendered module source

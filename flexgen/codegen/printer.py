@@ -20,7 +20,8 @@ import sympy
 from sympy.core.function import UndefinedFunction
 
 from ..codegen import debug
-from ..frontend.expr import SYMBOLS, BitAnd, BitNot, BitOr, BitXor, Sigmoid, Trunc, free_indices
+from ..frontend.expr import (SYMBOLS, BitAnd, BitNot, BitOr, BitXor, Sigmoid, Trunc, free_indices,
+                             is_parameter)
 # Defined without sympy, for the restart index (flexgen.codegen.index):
 from .snippet import TL_DTYPES, Address, Snippet, literal_value  # noqa: F401
 
@@ -201,12 +202,19 @@ class TritonPrinter:
                 # A float constant (0.05 becomes 3602879701896397 / 2**56 in sympy):
                 # multiply in float, as torch does, never in int32.
                 float_coeff = _float_literal(coeff)
+        reciprocals = []
         for f in sympy.Mul.make_args(rest):
             if f.is_Pow and f.exp.is_Integer and f.exp < 0:
-                den.append(f.base ** -f.exp)
+                base = f.base ** -f.exp
+                if base.free_symbols and all(is_parameter(s) for s in base.free_symbols):
+                    # Over a parameter (score / cap): times its reciprocal, which Triton
+                    # computes once at compile time (a division per score costs MUFU work).
+                    reciprocals.append(base)
+                else:
+                    den.append(base)
             else:
                 num.append(f)
-        if (den or float_coeff is not None) and all(n.is_Integer for n in num):
+        if (den or reciprocals or float_coeff is not None) and all(n.is_Integer for n in num):
             # Only integers above the line (1 / score): a float literal, as a Python
             # int has no .to() in a kernel.
             printed, kind = [(_float_literal(sympy.Mul(*num)), "float")], "float"
@@ -216,6 +224,9 @@ class TritonPrinter:
         if float_coeff is not None:
             code = f"{float_coeff} * " + cast(code, kind, "float")
             kind = "float"
+        if reciprocals:
+            rcode = " * ".join(self.as_float(d) for d in reciprocals)
+            code, kind = f"{cast(code, kind, 'float')} * (1.0 / ({rcode}))", "float"
         if den:
             dcode = " * ".join(self.as_float(d) for d in den)
             fnum = cast(code, kind, "float")

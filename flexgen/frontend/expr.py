@@ -102,6 +102,30 @@ BitXor = _bitwise("BitXor", lambda a, b: a ^ b)
 BitNot = _bitwise("BitNot", lambda a: ~a)
 
 
+# A value mod's float parameter (``flexgen.frontend.program.lowered_form``): a real symbol
+# whose name the printed code carries until ``lowering`` writes the value in its place.
+PARAMETER = "_flexgen_param_"
+
+
+def parameter(slot: int):
+    return sympy.Symbol(f"{PARAMETER}{slot}", real=True)
+
+
+def is_parameter(symbol) -> bool:
+    return symbol.name.startswith(PARAMETER)
+
+
+class ValueDependent(Exception):
+    """A parameter met only constants (``-(q * 0 - c)``, once sympy cancels ``q * 0``): the
+    lowering folds such a sub-expression with torch's arithmetic, which needs the value, so
+    the mod is lowered with its constants (``flexgen.frontend.lowering``)."""
+
+
+def _parameters_only(e) -> bool:
+    free = getattr(e, "free_symbols", None)
+    return bool(free) and all(is_parameter(s) for s in free)
+
+
 def buffer_function(prefix: str, slot: int, dtype: torch.dtype):
     """The sympy function standing for captured buffer ``slot`` of a mod."""
     name = f"{prefix}buf{slot}"
@@ -243,6 +267,9 @@ class _Converter:
         children = [a for a in node.args if isinstance(a, Node)]
         if node.op != "load" and children and all(is_constant(self(c)) for c in children):
             return self._fold(node, children)
+        if node.op != "load" and children and all(is_constant(self(c)) or _parameters_only(self(c))
+                                                  for c in children):
+            raise ValueDependent(node.op)
         e = getattr(self, "op_" + node.op, self.generic)(node, *node.args)
         if node.op in _MAY_LEAVE_REALS and e.has(sympy.I, sympy.zoo):
             return sympy.nan          # a real function outside its domain: NaN, as in torch
@@ -269,6 +296,9 @@ class _Converter:
 
     def op_const(self, node, value):
         return _const(value)
+
+    def op_param(self, node, slot):
+        return parameter(slot)
 
     def op_load(self, node, slot, indices):
         fn = buffer_function(self.prefix, slot, node.dtype)

@@ -1,22 +1,29 @@
 """From a traced mod to what a kernel template needs, memoized.
 
-``lower`` runs sympy (canonical form) and the printer once per distinct
-traced graph; a later call with the same graph, even with other captured
-tensors of the same dtype and rank, is a dict lookup. What the planner reads of
-the result (the snippet, the buffer signatures and a few facts about the
-expression) is plain data: a new process finds it in the restart index
-(``flexgen.codegen.index``) by the graph's text, without importing sympy. The
-sympy expression itself (``LoweredMod.expr``) is rebuilt on first use, for the
+``lower`` runs sympy (canonical form) and the printer once per lowered form: the
+traced program without the mod's name, a score_mod's float constants that are data
+(a soft-cap's cap, a computed slope) standing as parameters
+(``flexgen.frontend.program.lowered_form``). A later call with the same form, even
+with other captured tensors of the same dtype and rank or another cap, is a dict
+lookup and the values written into the printed snippet (``_bind``). What the planner
+reads of the result (the snippet, the buffer signatures and a few facts about the
+expression) is plain data: a new process finds it by the form's text in the restart
+index (``flexgen.codegen.index``) or among the forms flexgen ships
+(``flexgen.frontend.seeds``), without importing sympy. The sympy expression itself
+(``LoweredMod.expr``, with the constants' values) is rebuilt on first use, for the
 callers that analyse it further (gradients, context parallelism, index checks of
 captured tensors).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import re
 from dataclasses import dataclass
 
 from ..codegen.snippet import Snippet
 from ..codegen.spec import BufferSig
+from ..frontend.program import lowered_form
 from ..frontend.trace import TracedMod
 from ..runtime import collector
 
@@ -48,26 +55,78 @@ class LoweredMod:
         return to_sympy(TracedMod.from_graph(self.graph, ()), self.prefix)
 
 
-_LOWERED: dict = {}
+_LOWERED: dict = {}       # program text -> LoweredMod
+_FORMS: dict = {}         # prefix and lowered form (``lowered_form``) -> its LoweredMod
 
 
 def lower(traced: TracedMod) -> LoweredMod:
     """Canonical expression, snippet and buffer signatures of ``traced``."""
     hit = _LOWERED.get(traced.signature)
     if hit is None:
-        from ..codegen import index
         prefix = PREFIX[traced.kind]
-        key = f"{prefix}\n{traced.graph}"
-        found = index.get("lowered", key)
-        hit = None if found is None else _from_record(found, traced.graph, prefix)
-        if hit is None:
-            with collector.paused():
-                hit = _lower(traced, prefix)
-            index.put("lowered", key, _record(hit))
+        form, values = lowered_form(traced.graph, parameters=traced.kind != "mask_mod")
+        lowered = _lower_form(traced, form, prefix)
+        if lowered is VALUE_DEPENDENT:
+            form, values = lowered_form(traced.graph, parameters=False)
+            lowered = _lower_form(traced, form, prefix)
+        hit = _bind(lowered, values, traced.graph)
         if len(_LOWERED) >= 4096:        # mods made per call: stay bounded
             _LOWERED.clear()
         _LOWERED[traced.signature] = hit
     return hit
+
+
+# A form whose parameters the lowering needs the values of (``expr.ValueDependent``).
+VALUE_DEPENDENT = "value dependent"
+
+
+def _lower_form(traced: TracedMod, form: str, prefix: str):
+    """The lowered form, from the memo, the restart index, the forms shipped with flexgen.mods
+    (``flexgen.frontend.seeds``) or sympy, in that order: only the last imports sympy.
+    ``VALUE_DEPENDENT`` for a form that has to be lowered with its constants."""
+    key = f"{prefix}\n{form}"
+    hit = _FORMS.get(key)
+    if hit is None:
+        from ..codegen import index
+        from . import seeds
+        found = index.get("lowered", key) or seeds.get(key)
+        hit = None if found is None else _from_record(found, form, prefix)
+        if hit is None:
+            from .expr import ValueDependent
+            try:
+                with collector.paused():
+                    hit = _lower(TracedMod(traced.kind, traced.name, form, traced.buffers), prefix)
+            except ValueDependent:
+                hit = VALUE_DEPENDENT
+            index.put("lowered", key, _record(hit))
+        if len(_FORMS) >= 4096:
+            _FORMS.clear()
+        _FORMS[key] = hit
+    return hit
+
+
+_PARAMETER = re.compile(r"_flexgen_param_(\d+)")
+
+
+def _bind(form: LoweredMod, values: tuple, graph: str) -> LoweredMod:
+    """The lowered form with its parameters' values written in: the mod ``graph`` lowers to."""
+    def text(code: str) -> str:
+        return _PARAMETER.sub(lambda m: _literal(values[int(m.group(1))]), code)
+
+    snippet = form.snippet
+    if values:
+        snippet = Snippet(tuple(text(line) for line in snippet.lines), text(snippet.result),
+                          snippet.kind, snippet.free)
+    canonical = f"{form.canonical} with {list(values)}" if values else form.canonical
+    bound = dataclasses.replace(form, canonical=canonical, snippet=snippet, graph=graph)
+    if not values and "expr" in form.__dict__:
+        bound.__dict__["expr"] = form.__dict__["expr"]   # the same expression (names aside)
+    return bound
+
+
+def _literal(value: float) -> str:
+    """A finite float as the printer writes a number (``repr``), parenthesized when negative."""
+    return repr(value) if value > 0 else f"({value!r})"
 
 
 def _lower(traced: TracedMod, prefix: str) -> LoweredMod:
@@ -120,15 +179,19 @@ def proven_snippet(lowered: LoweredMod, proven: tuple) -> Snippet:
     return hit
 
 
-def _record(m: LoweredMod) -> dict:
+def _record(m) -> dict:
     """What the restart index keeps of a lowered mod (JSON)."""
+    if m is VALUE_DEPENDENT:
+        return dict(value_dependent=True)
     return dict(canonical=m.canonical, lines=list(m.snippet.lines), result=m.snippet.result,
                 kind=m.snippet.kind, buffers=[[b.name, b.ndim, b.dtype] for b in m.buffers],
                 is_true=m.is_true, free=sorted(m.free), transcendental=m.transcendental,
                 kv_range=None if m.kv_range is None else list(m.kv_range), bounds=m.bounds)
 
 
-def _from_record(r: dict, graph: str, prefix: str) -> LoweredMod | None:
+def _from_record(r: dict, graph: str, prefix: str):
+    if r.get("value_dependent") is True:
+        return VALUE_DEPENDENT
     try:
         return LoweredMod(
             r["canonical"], Snippet(tuple(r["lines"]), r["result"], r["kind"], tuple(sorted(r["free"]))),
@@ -153,4 +216,5 @@ def buffer_map(traced: TracedMod) -> dict:
 
 def clear_memos() -> None:
     _LOWERED.clear()
+    _FORMS.clear()
     _PROVEN.clear()

@@ -93,6 +93,8 @@ def parse(graph: str) -> tuple:
                 continue
             if op == "var":
                 node = Node("var", (fields[1],), dtype)
+            elif op == "param":
+                node = Node("param", (int(fields[1]),), dtype)
             elif op == "const":
                 text = fields[1]
                 value = (text == "1") if fields[0] == "b" else int(text) if fields[0] == "i" else float(text)
@@ -108,6 +110,60 @@ def parse(graph: str) -> tuple:
             _PARSED.clear()
         _PARSED[graph] = hit
     return hit
+
+
+# ---------------------------------------------------------------------------- the lowered form
+
+# Ops through which a float constant stays a parameter of a value mod's lowered form (see
+# ``lowered_form``): they combine it with a traced value as one IEEE operation, whatever the
+# constant, so the canonical form and the printed code hold for every value.
+_PARAMETER_USERS = frozenset(("add", "sub", "mul", "truediv", "minimum", "maximum", "where")
+                             + COMPARISONS)
+
+
+def _written_as_structure(value: float) -> bool:
+    """An integer or a fraction over a power of two up to 4096 (0, 1, 2.0, 0.5, 0.03125, 50.0,
+    2.5), as people write scales and offsets by hand; not 0.1, 1/sqrt(128), 37.1234."""
+    scaled = value * 4096
+    return scaled.is_integer() and abs(scaled) < 2 ** 24
+
+
+def lowered_form(graph: str, parameters: bool) -> tuple:
+    """(the program as its lowering sees it, the parameters' values).
+
+    The lowering does not read the mod's name, so the form drops it: a hand-written
+    ``q_idx >= kv_idx`` and ``flexgen.mods.causal_mask`` have one form. With ``parameters``
+    (score_mods and the linear-attention mods), a float constant that only meets traced
+    values through ``_PARAMETER_USERS`` becomes a ``param <kind> <n>`` line: ``cap *
+    tanh(score / cap)`` has one form for every cap, so a new cap is lowered without sympy.
+    Constants written as structure (``_written_as_structure``: 2.0, 0.5, 1/32, 50.0) stay
+    values, so sympy still simplifies and merges with them (``score * 2.0 / 2.0`` is
+    ``score``; ``q_idx / 32.0 - 0.03125 * kv_idx`` and ``(q_idx - kv_idx) / 32`` are one
+    kernel); so do infinite and NaN constants, those that meet only other constants (folded
+    in torch's arithmetic) and those that feed another op (``exp(0.3)``, an exponent).
+    mask_mods keep every constant: their block bounds are computed from the values.
+    """
+    lines = graph.split(LINE_END)
+    kind = lines[0].split(" ")[1]
+    floats, constants, uses = {}, set(), {}
+    for number, line in enumerate(lines[1:], 1):
+        op, *fields = line.split(" ")
+        refs = [int(f[1:]) for f in fields[1:] if f.startswith("%")]
+        if op == "const":
+            constants.add(number)
+            value = float(fields[1]) if fields[0] == "f" else None
+            if value is not None and value - value == 0 and not _written_as_structure(value):
+                floats[number] = value
+        for ref in refs:
+            if ref in floats:
+                uses.setdefault(ref, []).append((op, [r for r in refs if r != ref]))
+    chosen = [n for n, users in sorted(uses.items()) if parameters and all(
+        op in _PARAMETER_USERS and any(r not in constants for r in others) for op, others in users)]
+    slot = {n: k for k, n in enumerate(chosen)}
+    out = [f"program {kind} mod"]
+    for number, line in enumerate(lines[1:], 1):
+        out.append(f"param f {slot[number]}" if number in slot else line)
+    return LINE_END.join(out), tuple(floats[n] for n in chosen)
 
 
 TracedMod.root = property(lambda self: parse(self.graph)[2],
