@@ -76,6 +76,25 @@ def test_auto_picks_gluon_for_large_calls_only(as_if_hopper):
     assert flexgen.api.plan(*small, kernel_options=GLUON).spec.template == "forward_gluon"
 
 
+def test_auto_keeps_tl_for_narrow_bands_at_head_dim_64(as_if_hopper):
+    """AUTO's exception (plan.GLUON_MIN_BAND_D64): a sliding window at head dim 64 keeps the
+    tl kernel; the same window at 128, a causal mask at 64 and BACKEND "gluon" do not."""
+    L = 4096
+    masks = {name: create_block_mask(mod, None, None, L, L, device="cpu")
+             for name, mod in (("window", M.sliding_window(1024)), ("wide", M.sliding_window(4096)),
+                               ("causal", M.causal_mask))}
+
+    def template(D, mask, options=None):
+        q, k, v = make_qkv(B=1, H=64, L=L, D=D, dtype=torch.bfloat16)
+        return flexgen.api.plan(q, k, v, block_mask=masks[mask], kernel_options=options).spec.template
+
+    assert template(64, "window") == "forward"
+    assert template(64, "window", GLUON) == "forward_gluon"
+    assert template(128, "window") == "forward_gluon"
+    assert template(64, "wide") == "forward_gluon"
+    assert template(64, "causal") == "forward_gluon"
+
+
 def test_cpu_tensors_are_refused_with_the_reason():
     q, k, v = make_qkv(L=200, D=64, dtype=torch.bfloat16)
     with pytest.raises(InputError, match="CUDA GPUs only"):

@@ -50,6 +50,13 @@ TMA_MIN_SCORES = 2 ** 27
 # (benchmarks/NOTES.md, "Gluon forward").
 GLUON_AUTO = True
 GLUON_MIN_SCORES = 2 ** 30
+# Except at head dim 64 under a mask whose band of keys per query (``flexgen.masks.ranges``:
+# a sliding window) is at most GLUON_MIN_BAND_D64 wide: each query tile then visits ~10 key
+# tiles, too few for the Gluon kernel's warp-specialized pipeline to fill and drain at this
+# head dim's short tiles. The H100 measured the one-loop tl kernel 15% faster there (16k, a
+# 1024 window: 0.213 against 0.250 ms; at head dim 128 the Gluon kernel stays ahead, 0.315
+# against 0.377), and the Gluon kernel 8-11% faster on full and causal rows at head dim 64.
+GLUON_MIN_BAND_D64 = 2048
 # AUTO and the Gluon dK/dV kernel (sm_90; the dQ kernel stays tl): off until measured faster
 # than the tl dK/dV kernel (benchmarks/NOTES.md, "Gluon backward").
 GLUON_BACKWARD_AUTO = False
@@ -259,7 +266,7 @@ def _plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_
     plan.pointer_spec = spec(False) if use_tma else plan.spec
     plan.tune_blocks = None if opts.sets_tiles else (sparse_q, sparse_kv)
     if (opts.BACKEND == "AUTO" and GLUON_AUTO and not opts.sets_tiles
-            and B * Hq * Lq * Lkv >= GLUON_MIN_SCORES):
+            and B * Hq * Lq * Lkv >= GLUON_MIN_SCORES and not _narrow_band(mask, D)):
         gluon, _ = _gluon_spec(query, key, value, score, mask, info, opts, proven)
     elif opts.BACKEND != "gluon":
         gluon = None
@@ -270,6 +277,12 @@ def _plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_
         plan.pointer_spec = spec(False)
         plan.tune_blocks = None      # the tl autotuner's tiles are not the Gluon kernel's
     return plan
+
+
+def _narrow_band(mask, D: int) -> bool:
+    """Whether AUTO keeps the tl kernel for this mask at head dim ``D`` (GLUON_MIN_BAND_D64)."""
+    band = None if mask is None or D != 64 else mask.kv_range
+    return band is not None and None not in band[:2] and band[1] - band[0] + 1 <= GLUON_MIN_BAND_D64
 
 
 GLUON_HEAD_DIMS = (64, 128)
@@ -587,7 +600,8 @@ def _plan_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, score_mod, score
     # packed views, no tiles of the caller's; "gluon": always, or an InputError saying why not).
     _, Hq, total_q, _ = views[0].shape
     auto = (opts.BACKEND == "AUTO" and GLUON_AUTO and not opts.sets_tiles
-            and Hq * total_q * views[1].shape[2] >= GLUON_MIN_SCORES)
+            and Hq * total_q * views[1].shape[2] >= GLUON_MIN_SCORES
+            and not _narrow_band(base.mask, views[0].shape[-1]))
     if auto or opts.BACKEND == "gluon":
         gluon, why = _gluon_spec(*views, base.score, base.mask, None, opts, base.proven)
         if why is not None and opts.BACKEND == "gluon":
