@@ -55,6 +55,7 @@ def test_wheel_contents(wheel):
         assert path in names, f"{path} missing from the wheel"
     assert "flexgen/templates/forward.py.jinja" in names
     assert "flexgen/templates/common.py.jinja" in names
+    assert "flexgen/mods/lowered.json" in names       # the shipped lowered forms (frontend.seeds)
     assert not any(n.startswith(("tests/", "mods/", "templates/")) for n in names), \
         "only the flexgen package belongs at the top of the wheel"
     assert not any("__pycache__" in n for n in names)
@@ -75,10 +76,13 @@ SMOKE = textwrap.dedent("""
 
     q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
     mask = create_block_mask(causal_mask, None, None, 40, 40, device="cpu", BLOCK_SIZE=32)
-    src = kernel_source(q, k, v, score_mod=tanh_softcap(20.0), block_mask=mask)
+    src = kernel_source(q, k, v, score_mod=tanh_softcap(20.3), block_mask=mask)
     assert "@triton.jit" in src and "_tanh(" in src, src[:500]
-    out = flex_attention(q, k, v, score_mod=tanh_softcap(20.0), block_mask=mask)
-    ref = flex_attention_reference(q, k, v, score_mod=tanh_softcap(20.0), mask_mod=causal_mask)
+    out = flex_attention(q, k, v, score_mod=tanh_softcap(20.3), block_mask=mask)
+    # The mask's and the soft-cap's forms came from the wheel's mods/lowered.json, not sympy.
+    from flexgen.frontend import seeds
+    assert seeds.table() and "sympy" not in sys.modules, sorted(seeds.table())[:1]
+    ref = flex_attention_reference(q, k, v, score_mod=tanh_softcap(20.3), mask_mod=causal_mask)
     assert (out.double() - ref).abs().max() < 1e-4
     print("SMOKE OK", flexgen.__file__)
 """)

@@ -207,8 +207,8 @@ class TritonPrinter:
             if f.is_Pow and f.exp.is_Integer and f.exp < 0:
                 base = f.base ** -f.exp
                 if base.free_symbols and all(is_parameter(s) for s in base.free_symbols):
-                    # Over a parameter (score / cap): times its reciprocal, which Triton
-                    # computes once at compile time (a division per score costs MUFU work).
+                    # Over a parameter (score / cap): times its reciprocal, as a data
+                    # constant's division prints (0.0269 * score); Triton folds 1.0 / cap.
                     reciprocals.append(base)
                 else:
                     den.append(base)

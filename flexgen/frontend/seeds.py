@@ -3,14 +3,15 @@
 A process lowers each mod the restart index has not seen through sympy: its import
 (0.2-0.3 s) and the canonical form (~0.05 s) are a fifth of a cold first call on the
 H100, paid even where the mods are the everyday ones (a causal or document mask, a
-soft-cap, ALiBi). Their lowered forms depend neither on their constants (a soft-cap's
-cap is a parameter of the form: ``flexgen.frontend.program.lowered_form``) nor on the
-values of their captured tensors, so flexgen computes them when it is built and ships
+soft-cap, ALiBi). Their lowered forms depend neither on the values of their captured
+tensors nor on their data constants (a soft-cap's cap of 37.12 is a parameter of the
+form: ``flexgen.frontend.program.lowered_form``; Gemma 2's caps of 50 and 30 are values,
+shipped as forms of their own), so flexgen computes them when it is built and ships
 them: ``flexgen.frontend.lowering`` looks here after the restart index and before sympy,
 and a hand-written mod of the same form (``q_idx >= kv_idx``, ``c * torch.tanh(score / c)``
-with any ``c``) finds them too. Any other mod takes sympy as before.
+with any such ``c``) finds them too. Any other mod takes sympy as before.
 
-``build()`` computes the table from ``EXAMPLES``; a test keeps the file equal to it.
+``build()`` computes the table from ``examples()``; a test keeps the file equal to it.
 After a change to the tracer, the sympy conversion or the printer, regenerate it:
 ``python -m flexgen.frontend.seeds``.
 """
