@@ -24,7 +24,7 @@ import torch
 
 from flexgen.errors import expected
 
-from ._check import float_tensor, positive_int
+from ._check import float_tensor, positive_int, positive_number
 
 
 def alibi_slopes(num_heads, device=None) -> torch.Tensor:
@@ -42,21 +42,23 @@ def alibi_slopes(num_heads, device=None) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32, device=device)
 
 
-def alibi(num_heads=None, slopes=None):
+def alibi(num_heads=None, slopes=None, max_bias=8.0):
     """score_mod adding ``slope[h] * (kv_idx - q_idx)`` to the score.
 
     Give ``num_heads`` for the paper's slopes (``alibi_slopes``), computed in
-    the kernel as ``exp2(-8 * (h + 1) / p)`` and its odd-step continuation,
-    or ``slopes``, a float tensor ``[H]`` (on the device of q) read as
-    ``slopes[h]``. ``h`` is the query head, also under GQA.
+    the kernel as ``exp2(-max_bias * (h + 1) / p)`` and its odd-step continuation
+    (``max_bias`` 8 in the paper; some models use another), or ``slopes``, a float
+    tensor ``[H]`` (on the device of q) read as ``slopes[h]``. ``h`` is the query
+    head, also under GQA.
     """
     if slopes is None:
         if num_heads is None:
             raise expected("num_heads", "an int (or slopes=)", None,
                            "pass alibi(num_heads=H) or alibi(slopes=tensor_of_H_slopes)")
         n = positive_int("num_heads", num_heads, "pass the number of query heads, >= 1")
+        max_bias = float(positive_number("max_bias", max_bias, "pass the largest slope exponent, e.g. 8.0"))
         p = 2 ** int(math.floor(math.log2(n)))
-        step, step_odd = -8.0 / p, -4.0 / p
+        step, step_odd = -max_bias / p, -max_bias / 2 / p
         if n == p:
             def alibi_score_mod(score, b, h, q_idx, kv_idx):
                 return score + torch.exp2(step * (h + 1)) * (kv_idx - q_idx)

@@ -302,6 +302,15 @@ def test_alibi_slopes_match_the_paper():
         one = torch.ones((), dtype=torch.int32)
         got = M.alibi(n)(zero, 0, h, 0 * one, one)  # slope * (1 - 0)
         torch.testing.assert_close(got.float(), M.alibi_slopes(n), rtol=1e-6, atol=0)
+    # max_bias scales the exponents: 2^(-m (k + 1) / p), the odd steps of 2p likewise
+    for n in (8, 12):
+        h = torch.arange(n, dtype=torch.int32)
+        got = M.alibi(n, max_bias=5.5)(torch.zeros((), dtype=torch.float64), 0, h, 0 * h, 1 + 0 * h)
+        want = [2.0 ** (-5.5 * (k + 1) / 8) for k in range(8)] + [2.0 ** (-5.5 * (2 * k + 1) / 16)
+                                                                   for k in range(n - 8)]
+        torch.testing.assert_close(got.double(), torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=0)
+    with pytest.raises(InputError, match="max_bias"):
+        M.alibi(8, max_bias=0)
 
 
 @pytest.mark.parametrize("num_buckets, max_distance, bidirectional", [
