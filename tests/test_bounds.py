@@ -244,3 +244,49 @@ def test_debug_mode_catches_reads_past_a_tensor_on_the_device(tmp_path):
     with aot.recording() as launches:
         flex_attention(q, q, q, score_mod=doc_bias)
     assert not launches[0][0].debug and launches[0][0].key != report["key"]
+
+
+# The index table (plain data, no sympy) and the sympy path agree on every affine index.
+_TABLE = torch.zeros(40)
+_GRID = torch.zeros(3, 50, dtype=torch.int64)
+AFFINE_MODS = {
+    "document": (lambda b, h, q_idx, kv_idx: _GRID[b, q_idx] == _GRID[b, kv_idx], "mask_mod"),
+    "padding": (lambda b, h, q_idx, kv_idx: kv_idx < _GRID[0, b + 1], "mask_mod"),
+    "relative": (lambda s, b, h, q_idx, kv_idx: s + _TABLE[q_idx - kv_idx + 19], "score_mod"),
+    "reversed": (lambda s, b, h, q_idx, kv_idx: s + _TABLE[39 - 2 * kv_idx], "score_mod"),
+    "negative": (lambda s, b, h, q_idx, kv_idx: s + _TABLE[kv_idx - q_idx - 1], "score_mod"),
+    "constant": (lambda s, b, h, q_idx, kv_idx: s + _GRID[2, kv_idx], "score_mod"),
+    "chained": (lambda s, b, h, q_idx, kv_idx: s + _TABLE[_GRID[b, q_idx]] * _TABLE[h], "score_mod"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(AFFINE_MODS))
+def test_the_index_table_agrees_with_sympy(name):
+    import dataclasses
+    mod, kind = AFFINE_MODS[name]
+    traced = trace(mod, kind)
+    lowered = lower(traced)
+    assert lowered.index_table is not None
+    slow = dataclasses.replace(lowered, index_table=None)
+    shapes = tuple(tuple(t.shape) for t in traced.buffers)
+    for ranges in [(1, 2, 20, 20), (3, 2, 40, 40), (2, 1, 50, 50), ((1, 2), 2, (5, 25), 30), (3, 2, None, 7)]:
+        outcomes = []
+        for m in (lowered, slow):
+            try:
+                check_indices(m, kind, "mod", shapes, *ranges)
+                outcomes.append(None)
+            except IndexBoundsError as err:
+                outcomes.append(str(err))
+        assert outcomes[0] == outcomes[1], (ranges, outcomes)
+        if None not in ranges:
+            plain = tuple(r if isinstance(r, int) else r for r in ranges)
+            layout = [(tuple(t.shape), tuple(t.stride())) for t in traced.buffers]
+            assert bounds_check._prove(lowered, layout, dict(zip(bounds_check._NAMES, map(bounds_check._half_open, plain)))) \
+                == bounds_check._prove(slow, layout, dict(zip(bounds_check._NAMES, map(bounds_check._half_open, plain))))
+
+
+def test_non_affine_indices_take_the_sympy_path():
+    lowered = lower(trace(lambda s, b, h, q_idx, kv_idx: s + _TABLE[q_idx // 2], "score_mod"))
+    assert lowered.index_table is None
+    with pytest.raises(IndexBoundsError, match="q_idx // 2|floor"):
+        check_indices(lowered, "score_mod", "mod", ((40,),), 1, 1, 100, 100)

@@ -18,22 +18,26 @@ makes the kernels check those reads on the device (``flexgen.codegen.debug``).
 
 Pure functions of (lowered mod, buffer shapes, ranges), memoized: a repeated
 call costs a dict lookup, and mods without captured tensors return at once.
+
+Most captured tensors are read at integer-affine positions (``doc[q_idx]``,
+``lengths[b]``, ``table[h, q_idx - kv_idx + c]``, ``slopes[h]``), whose exact range
+over a call is their interval's ends. The lowering records such a mod's indices as
+plain data (``index_table``), and this module checks and proves them without sympy:
+a process whose mods have shipped or recorded forms never imports it. A mod with any
+other index that depends on positions only (``q_idx // 2``) takes the sympy path for all.
 """
 from __future__ import annotations
 
 import math
 
-import sympy
 import torch
 
 from ..errors import InputError
-from ..frontend.expr import INDEX_SYMBOLS, is_load
 from ..frontend.lowering import lower
 
 # A range of one position variable: n (for [0, n)), a half-open (lo, hi), or None (unknown:
 # an index that depends on it is not checked).
 _NAMES = ("b", "h", "q_idx", "kv_idx")
-_SYMBOLS = tuple(INDEX_SYMBOLS[n] for n in _NAMES)
 
 
 class IndexBoundsError(InputError, IndexError):
@@ -74,7 +78,7 @@ def check_indices(lowered, kind: str, name: str, shapes: tuple, B, H, Q_LEN, KV_
     if hit is None or hit[0] is not lowered:
         if len(_CHECKED) >= _CHECKED_MAX:
             _CHECKED.clear()
-        hit = _CHECKED[key] = (lowered, _error(indices, kind, name, shapes, dict(zip(_SYMBOLS, key[-1]))))
+        hit = _CHECKED[key] = (lowered, _error(indices, kind, name, shapes, dict(zip(_NAMES, key[-1]))))
     if hit[1] is not None:
         raise IndexBoundsError(hit[1])
 
@@ -83,24 +87,94 @@ _INDICES: dict = {}          # id(lowered) -> (lowered, its checkable indices, t
 
 
 def _indices(lowered) -> tuple:
-    """((slot, dim, index, its position symbols) of each index of a captured tensor that depends
-    on positions only, the position names they read): what the host can check, walked once."""
+    """((slot, dim, index, the position names it reads) of each index of a captured tensor that
+    depends on positions only, the position names they read): what the host can check, walked
+    once. ``index``: an ``_Affine`` from the lowered mod's index table, else a sympy expression."""
     hit = _INDICES.get(id(lowered))
     if hit is None or hit[0] is not lowered:
-        found = []
-        loads = sorted((f for f in lowered.expr.atoms(sympy.Function) if is_load(f) and f.args),
-                       key=sympy.default_sort_key)
-        for load in loads:
-            slot = int(load.func.__name__[4:])           # "sbuf3" / "mbuf3"
-            for dim, index in enumerate(load.args):
-                free = tuple(sorted(index.free_symbols, key=str))
-                # The score or loaded data in an index: known only on the device.
-                data = any(is_load(f) for f in index.atoms(sympy.Function))
-                if all(s in _SYMBOLS for s in free) and not data:
-                    found.append((slot, dim, index, free))
-        used = frozenset(s.name for *_, free in found for s in free)
+        if lowered.index_table is not None:
+            found = [(slot, dim, _Affine(*spec[1:]), _Affine(*spec[1:]).names)
+                     for _, slot, dims in lowered.index_table for dim, spec in enumerate(dims)
+                     if spec[0] == "affine"]
+        else:
+            found = _sympy_indices(lowered)
+        used = frozenset(n for *_, names in found for n in names)
         hit = _INDICES[id(lowered)] = (lowered, tuple(found), used)
     return hit[1:]
+
+
+def _sympy_indices(lowered) -> list:
+    import sympy
+
+    from ..frontend.expr import INDEX_SYMBOLS, is_load
+    found = []
+    loads = sorted((f for f in lowered.expr.atoms(sympy.Function) if is_load(f) and f.args),
+                   key=sympy.default_sort_key)
+    for load in loads:
+        slot = int(load.func.__name__[4:])           # "sbuf3" / "mbuf3"
+        for dim, index in enumerate(load.args):
+            free = tuple(sorted(index.free_symbols, key=str))
+            # The score or loaded data in an index: known only on the device.
+            data = any(is_load(f) for f in index.atoms(sympy.Function))
+            if all(s.name in INDEX_SYMBOLS and s == INDEX_SYMBOLS[s.name] for s in free) and not data:
+                found.append((slot, dim, index, tuple(s.name for s in free)))
+    return found
+
+
+class _Affine:
+    """An index ``const + sum(coefficient * position)``, from a lowered mod's index table."""
+
+    def __init__(self, text: str, terms, const: int):
+        self.text, self.terms, self.const = text, tuple((n, int(c)) for n, c in terms), int(const)
+        self.names = tuple(sorted(n for n, _ in self.terms))
+
+    def __str__(self) -> str:
+        return self.text
+
+    def bounds(self, ranges: dict) -> tuple:
+        """(lo, hi), inclusive and exact, over half-open ``ranges`` by name (all known)."""
+        lo = hi = self.const
+        for name, c in self.terms:
+            first, last = ranges[name][0], ranges[name][1] - 1
+            lo, hi = lo + min(c * first, c * last), hi + max(c * first, c * last)
+        return lo, hi
+
+
+def index_table(expr) -> tuple | None:
+    """``expr``'s captured-tensor reads as plain data (the lowering records it, with sympy):
+    ``(load text, slot, dims)`` per read, sorted as ``_sympy_indices`` walks them, each dim
+    ``("affine", text, ((position, coefficient), ...), constant)`` or ``("data",)`` (an index
+    that reads the score or a tensor: known on the device only). None where an index depends
+    on positions only but is not affine, or holds a parameter of the lowered form: those go
+    to the sympy path (``_Interval``) with the mod's constants."""
+    import sympy
+
+    from ..frontend.expr import INDEX_SYMBOLS, is_load, is_parameter
+    table = []
+    loads = sorted((f for f in expr.atoms(sympy.Function) if is_load(f) and f.args),
+                   key=sympy.default_sort_key)
+    for load in loads:
+        dims = []
+        for index in load.args:
+            if any(is_parameter(s) for s in index.free_symbols):
+                return None
+            if any(is_load(f) for f in index.atoms(sympy.Function)) or not all(
+                    s.name in INDEX_SYMBOLS and s == INDEX_SYMBOLS[s.name] for s in index.free_symbols):
+                dims.append(("data",))
+                continue
+            terms, const = [], 0
+            for term, c in sympy.expand(index).as_coefficients_dict().items():
+                if not c.is_Integer:
+                    return None
+                if term == 1:
+                    const = int(c)
+                elif term.is_Symbol:
+                    terms.append((term.name, int(c)))
+                else:
+                    return None
+            dims.append(("affine", str(index), tuple(sorted(terms)), const))
+        table.append((str(load), int(load.func.__name__[4:]), tuple(dims)))
+    return tuple(table)
 
 
 def index_variables(lowered) -> frozenset:
@@ -163,35 +237,67 @@ def proven_loads(traced, B, H, Q_LEN, KV_LEN) -> tuple:
     if hit is None or hit[0] is not lowered:
         if len(_PROVEN) >= _CHECKED_MAX:
             _PROVEN.clear()
-        hit = _PROVEN[key] = (lowered, _prove(lowered, layout, dict(zip(_SYMBOLS, ranges))))
+        hit = _PROVEN[key] = (lowered, _prove(lowered, layout, dict(zip(_NAMES, ranges))))
     return hit[1]
 
 
 _PROVEN: dict = {}
-_POSITIONS = (INDEX_SYMBOLS["q_idx"], INDEX_SYMBOLS["kv_idx"])
+_POSITIONS = ("q_idx", "kv_idx")
 
 
 def _prove(lowered, layout, ranges) -> tuple:
     found = []
-    loads = {f for f in lowered.expr.atoms(sympy.Function) if is_load(f) and f.args}
-    for load in loads:
-        shape, strides = layout[int(load.func.__name__[4:])]
+    for text, slot, dims in _reads(lowered):
+        shape, strides = layout[slot]
         extent, reads_position = 0, False
-        for dim, index in enumerate(load.args):
-            if any(is_load(f) for f in index.atoms(sympy.Function)):
-                break            # an index read from a tensor: known on the device only
-            if not all(s in ranges for s in index.free_symbols):
-                break            # the score, or a symbol of another kind of mod
-            lo, hi = _Interval(ranges)(index)
+        for dim, index in enumerate(dims):
+            if index is None:
+                break            # the score or a tensor's value in the index: known on the device only
+            lo, hi = index.bounds(ranges) if isinstance(index, _Affine) else _sympy_bounds(index, ranges)
             if not (0 <= lo and hi < shape[dim]):
                 break
-            if index.free_symbols & set(_POSITIONS):
+            if set(index.names) & set(_POSITIONS):
                 extent += (shape[dim] - 1) * strides[dim]
-            reads_position = reads_position or bool(index.free_symbols)
+            reads_position = reads_position or bool(index.names)
         else:
             if reads_position and extent < _INT32_EXTENT:
-                found.append(str(load))
+                found.append(text)
     return tuple(sorted(found))
+
+
+def _reads(lowered) -> list:
+    """(load text, slot, per dim an ``_Affine``, a sympy index with ``names``, or None where the
+    index reads the score or a tensor) of each captured-tensor read of ``lowered``."""
+    if lowered.index_table is not None:
+        return [(text, slot, tuple(_Affine(*d[1:]) if d[0] == "affine" else None for d in dims))
+                for text, slot, dims in lowered.index_table]
+    import sympy
+
+    from ..frontend.expr import INDEX_SYMBOLS, is_load
+    reads = []
+    for load in lowered.expr.atoms(sympy.Function):
+        if not (is_load(load) and load.args):
+            continue
+        dims = []
+        for index in load.args:
+            positions = all(s.name in INDEX_SYMBOLS and s == INDEX_SYMBOLS[s.name] for s in index.free_symbols)
+            data = any(is_load(f) for f in index.atoms(sympy.Function))
+            dims.append(_SympyIndex(index) if positions and not data else None)
+        reads.append((str(load), int(load.func.__name__[4:]), tuple(dims)))
+    return reads
+
+
+class _SympyIndex:
+    """A sympy index with the position names it reads (``_prove``'s view of it)."""
+
+    def __init__(self, index):
+        self.index, self.names = index, tuple(sorted(s.name for s in index.free_symbols))
+
+
+def _sympy_bounds(index, ranges: dict) -> tuple:
+    from ..frontend.expr import INDEX_SYMBOLS
+    expr = index.index if isinstance(index, _SympyIndex) else index
+    return _Interval({INDEX_SYMBOLS[n]: r for n, r in ranges.items() if r is not None})(expr)
 
 
 def _plain_range(r):
@@ -208,35 +314,44 @@ def _half_open(r):
 
 
 def _out_of_bounds(index, free, size: int, ranges: dict) -> str | None:
-    """A phrase saying where ``index`` (over position symbols ``free``) leaves [-size, size), or
-    None when it does not (or where a range it reads is unknown)."""
-    if index.is_Integer:
+    """A phrase saying where ``index`` (over the positions named ``free``) leaves [-size, size),
+    or None when it does not (or where a range it reads is unknown)."""
+    if not free and isinstance(index, _Affine):
+        i = index.const
+        return None if -size <= i < size else f"is {i}"
+    if not isinstance(index, _Affine) and index.is_Integer:
         i = int(index)
         return None if -size <= i < size else f"is {i}"
-    if any(ranges[s] is None for s in free):
+    if any(ranges[n] is None for n in free):
         return None
-    lo, hi = _Interval(ranges)(index)
-    if -size <= lo and hi < size:
-        return None
-    # Bounds over-estimate: confirm with exact values at real positions, the corners.
-    values = []
-    for corner in _corners(free, ranges):
-        value = index.xreplace(corner)
-        if value.is_Integer:
-            values.append(int(value))
+    if isinstance(index, _Affine):
+        values = index.bounds(ranges)        # exact: an affine index's ends are real positions'
+    else:
+        lo, hi = _sympy_bounds(index, ranges)
+        if -size <= lo and hi < size:
+            return None
+        # Bounds over-estimate: confirm with exact values at real positions, the corners.
+        values = []
+        for corner in _corners(free, ranges):
+            value = index.xreplace(corner)
+            if value.is_Integer:
+                values.append(int(value))
     bad = [v for v in values if not -size <= v < size]
     if not bad:
         return None
-    where = ", ".join(f"{s} in [{ranges[s][0]}, {ranges[s][1]})" for s in free)
+    where = ", ".join(f"{n} in [{ranges[n][0]}, {ranges[n][1]})" for n in free)
     return f"takes values from {min(values)} to {max(values)} for {where}"
 
 
 def _corners(free, ranges) -> list:
-    """Every combination of the first and last position of each free variable."""
+    """Every combination of the first and last position of each free variable (sympy's)."""
+    import sympy
+
+    from ..frontend.expr import INDEX_SYMBOLS
     corners = [{}]
-    for s in free:
-        lo, hi = ranges[s]
-        corners = [{**c, s: sympy.Integer(v)} for c in corners for v in sorted({lo, hi - 1})]
+    for n in free:
+        lo, hi = ranges[n]
+        corners = [{**c, INDEX_SYMBOLS[n]: sympy.Integer(v)} for c in corners for v in sorted({lo, hi - 1})]
     return corners
 
 

@@ -45,6 +45,10 @@ class LoweredMod:
     # A mask_mod's block-bounds program (``flexgen.masks.bounds.compile_flags``): plain
     # tuples, so a warm process builds block masks without sympy. None for other mods.
     bounds: tuple | None = None
+    # Its captured-tensor reads with integer-affine indices as plain data
+    # (``flexgen.frontend.bounds_check.index_table``): checked and proven without sympy.
+    # None: some index takes the sympy path.
+    index_table: tuple | None = None
     graph: str = ""             # the traced program it came from
     prefix: str = ""            # "s", "m", "d" or "f": names its buffers
 
@@ -134,6 +138,7 @@ def _lower(traced: TracedMod, prefix: str) -> LoweredMod:
     import sympy
 
     from ..codegen.printer import print_snippet
+    from ..frontend.bounds_check import index_table
     from ..frontend.expr import canonical_text, free_indices, to_sympy
     from ..masks import bounds, ranges
     from ..runtime.tuning import transcendental
@@ -146,7 +151,7 @@ def _lower(traced: TracedMod, prefix: str) -> LoweredMod:
                          free=free_indices(expr), transcendental=transcendental(expr),
                          kv_range=ranges.kv_range(expr) if mask else None,
                          bounds=bounds.compile_flags(expr, buffers) if mask else None,
-                         graph=traced.graph, prefix=prefix)
+                         index_table=index_table(expr), graph=traced.graph, prefix=prefix)
     lowered.__dict__["expr"] = expr      # (the cached_property's slot: no second conversion)
     return lowered
 
@@ -165,7 +170,7 @@ def proven_snippet(lowered: LoweredMod, proven: tuple) -> Snippet:
     hit = _PROVEN.get(key)
     if hit is None:
         from ..codegen import index
-        found = index.get("proven", key)
+        found = index.get("proven", key) or _shipped_proven(lowered, proven)
         try:
             hit = Snippet(tuple(found["lines"]), found["result"], found["kind"], tuple(found["free"]))
         except (KeyError, TypeError, ValueError):
@@ -179,6 +184,15 @@ def proven_snippet(lowered: LoweredMod, proven: tuple) -> Snippet:
     return hit
 
 
+def _shipped_proven(lowered: LoweredMod, proven: tuple) -> dict | None:
+    """The printed snippet with ``proven`` loads that flexgen ships for ``lowered``'s form, if any
+    (``flexgen.frontend.seeds``: every position read proven, for forms without parameters)."""
+    from . import seeds
+    form, values = lowered_form(lowered.graph, parameters=lowered.prefix != "m")
+    shipped = None if values else seeds.get(f"{lowered.prefix}\n{form}")
+    return None if not isinstance(shipped, dict) else (shipped.get("proven") or {}).get(" ".join(proven))
+
+
 def _record(m) -> dict:
     """What the restart index keeps of a lowered mod (JSON)."""
     if m is VALUE_DEPENDENT:
@@ -186,7 +200,8 @@ def _record(m) -> dict:
     return dict(canonical=m.canonical, lines=list(m.snippet.lines), result=m.snippet.result,
                 kind=m.snippet.kind, buffers=[[b.name, b.ndim, b.dtype] for b in m.buffers],
                 is_true=m.is_true, free=sorted(m.free), transcendental=m.transcendental,
-                kv_range=None if m.kv_range is None else list(m.kv_range), bounds=m.bounds)
+                kv_range=None if m.kv_range is None else list(m.kv_range), bounds=m.bounds,
+                index_table=m.index_table)
 
 
 def _from_record(r: dict, graph: str, prefix: str):
@@ -198,7 +213,8 @@ def _from_record(r: dict, graph: str, prefix: str):
             tuple(BufferSig(n, int(d), t) for n, d, t in r["buffers"]), is_true=bool(r["is_true"]),
             free=frozenset(r["free"]), transcendental=bool(r["transcendental"]),
             kv_range=None if r["kv_range"] is None else tuple(r["kv_range"]),
-            bounds=_frozen(r["bounds"]), graph=graph, prefix=prefix)
+            bounds=_frozen(r["bounds"]), index_table=_frozen(r.get("index_table")), graph=graph,
+            prefix=prefix)
     except (KeyError, TypeError, ValueError):
         return None          # an entry of another layout: compute it again
 

@@ -61,6 +61,7 @@ def examples() -> list:
     # forms) and any other cap (a parameter); ALiBi's slopes for the usual head counts.
     scores = [mods.tanh_softcap(cap, approx=approx) for cap in (50.0, 30.0, 20.3) for approx in (False, True)]
     scores += [mods.alibi(n) for n in (8, 12, 16, 32, 64)] + [mods.alibi(slopes=torch.ones(16))]
+    scores += [mods.alibi(n, max_bias=7.3) for n in (12, 16)]     # any other max bias: parameters
     return [(m, "mask_mod") for m in masks] + [(s, "score_mod") for s in scores]
 
 
@@ -71,13 +72,24 @@ def build() -> dict:
     from .lowering import PREFIX, _lower, _record
     from .program import lowered_form
     from .trace import TracedMod, trace
+    from ..codegen.printer import print_snippet
     forms = {}
     for mod, kind in examples():
         traced = trace(mod, kind)
-        form, _ = lowered_form(traced.graph, parameters=kind != "mask_mod")
+        form, values = lowered_form(traced.graph, parameters=kind != "mask_mod")
         prefix = PREFIX[kind]
-        forms[f"{prefix}\n{form}"] = _record(_lower(TracedMod(kind, traced.name, form, traced.buffers),
-                                                    prefix))
+        lowered = _lower(TracedMod(kind, traced.name, form, traced.buffers), prefix)
+        record = _record(lowered)
+        reads = [text for text, _, dims in lowered.index_table or ()
+                 if all(d[0] == "affine" for d in dims) and any(d[2] for d in dims)]
+        if reads and not values:
+            # The snippet a call prints when it proves every position read in bounds (tensors
+            # as long as the sequences: lowering.proven_snippet), keyed as it asks.
+            proven = tuple(sorted(reads))
+            snippet = print_snippet(lowered.expr, f"{prefix}_", frozenset(proven))
+            record["proven"] = {" ".join(proven): dict(lines=list(snippet.lines), result=snippet.result,
+                                                       kind=snippet.kind, free=list(snippet.free))}
+        forms[f"{prefix}\n{form}"] = record
     return {"sympy": sympy.__version__, "forms": forms}
 
 
