@@ -93,9 +93,8 @@ def _indices(lowered) -> tuple:
     hit = _INDICES.get(id(lowered))
     if hit is None or hit[0] is not lowered:
         if lowered.index_table is not None:
-            found = [(slot, dim, _Affine(*spec[1:]), _Affine(*spec[1:]).names)
-                     for _, slot, dims in lowered.index_table for dim, spec in enumerate(dims)
-                     if spec[0] == "affine"]
+            found = [(slot, dim, index, index.names) for _, slot, dims in _reads(lowered)
+                     for dim, index in enumerate(dims) if index is not None]
         else:
             found = _sympy_indices(lowered)
         used = frozenset(n for *_, names in found for n in names)
