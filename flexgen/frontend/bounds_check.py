@@ -89,35 +89,56 @@ _INDICES: dict = {}          # id(lowered) -> (lowered, its checkable indices, t
 def _indices(lowered) -> tuple:
     """((slot, dim, index, the position names it reads) of each index of a captured tensor that
     depends on positions only, the position names they read): what the host can check, walked
-    once. ``index``: an ``_Affine`` from the lowered mod's index table, else a sympy expression."""
+    once. ``index``: an ``_Affine`` (from the index table) or a ``_SympyIndex``."""
     hit = _INDICES.get(id(lowered))
     if hit is None or hit[0] is not lowered:
-        if lowered.index_table is not None:
-            found = [(slot, dim, index, index.names) for _, slot, dims in _reads(lowered)
-                     for dim, index in enumerate(dims) if index is not None]
-        else:
-            found = _sympy_indices(lowered)
+        found = [(slot, dim, index, index.names) for _, slot, dims in _reads(lowered)
+                 for dim, index in enumerate(dims) if index is not None]
         used = frozenset(n for *_, names in found for n in names)
         hit = _INDICES[id(lowered)] = (lowered, tuple(found), used)
     return hit[1:]
 
 
-def _sympy_indices(lowered) -> list:
+def _reads(lowered) -> list:
+    """(load text, slot, per dim an ``_Affine`` or a ``_SympyIndex``, or None where the index
+    reads the score or a tensor) of each captured-tensor read of ``lowered``, in sympy's order."""
+    if lowered.index_table is not None:
+        return [(text, slot, tuple(_Affine(*d[1:]) if d[0] == "affine" else None for d in dims))
+                for text, slot, dims in lowered.index_table]
+    return [(str(load), slot, tuple(None if i is None else _SympyIndex(i) for i in dims))
+            for load, slot, dims in _sympy_reads(lowered.expr)]
+
+
+def _sympy_reads(expr) -> list:
+    """(load application, slot, per dim its index, or None where it reads the score, a tensor
+    or any symbol but the positions: known on the device only) of each read in ``expr``."""
     import sympy
 
     from ..frontend.expr import INDEX_SYMBOLS, is_load
-    found = []
-    loads = sorted((f for f in lowered.expr.atoms(sympy.Function) if is_load(f) and f.args),
-                   key=sympy.default_sort_key)
-    for load in loads:
-        slot = int(load.func.__name__[4:])           # "sbuf3" / "mbuf3"
-        for dim, index in enumerate(load.args):
-            free = tuple(sorted(index.free_symbols, key=str))
-            # The score or loaded data in an index: known only on the device.
-            data = any(is_load(f) for f in index.atoms(sympy.Function))
-            if all(s.name in INDEX_SYMBOLS and s == INDEX_SYMBOLS[s.name] for s in free) and not data:
-                found.append((slot, dim, index, tuple(s.name for s in free)))
-    return found
+    reads = []
+    for load in sorted((f for f in expr.atoms(sympy.Function) if is_load(f) and f.args),
+                       key=sympy.default_sort_key):
+        dims = tuple(index if all(s.name in INDEX_SYMBOLS and s == INDEX_SYMBOLS[s.name]
+                                  for s in index.free_symbols)
+                     and not any(is_load(f) for f in index.atoms(sympy.Function)) else None
+                     for index in load.args)
+        reads.append((load, int(load.func.__name__[4:]), dims))      # "sbuf3" / "mbuf3"
+    return reads
+
+
+class _SympyIndex:
+    """A sympy index with the position names it reads."""
+
+    def __init__(self, index):
+        self.index, self.names = index, tuple(sorted(s.name for s in index.free_symbols))
+
+    def __str__(self) -> str:
+        return str(self.index)
+
+    def bounds(self, ranges: dict) -> tuple:
+        """(lo, hi), inclusive, over-estimated by interval arithmetic over ``ranges`` by name."""
+        from ..frontend.expr import INDEX_SYMBOLS
+        return _Interval({INDEX_SYMBOLS[n]: r for n, r in ranges.items() if r is not None})(self.index)
 
 
 class _Affine:
@@ -141,25 +162,21 @@ class _Affine:
 
 def index_table(expr) -> tuple | None:
     """``expr``'s captured-tensor reads as plain data (the lowering records it, with sympy):
-    ``(load text, slot, dims)`` per read, sorted as ``_sympy_indices`` walks them, each dim
-    ``("affine", text, ((position, coefficient), ...), constant)`` or ``("data",)`` (an index
-    that reads the score or a tensor: known on the device only). None where an index depends
-    on positions only but is not affine, or holds a parameter of the lowered form: those go
-    to the sympy path (``_Interval``) with the mod's constants."""
+    ``(load text, slot, dims)`` per read, in ``_sympy_reads``' order, each dim ``("affine",
+    text, ((position, coefficient), ...), constant)`` or ``("data",)`` (known on the device
+    only). None where an index depends on positions only but is not affine, or holds a
+    parameter of the lowered form: those take the sympy path, with the mod's constants."""
     import sympy
 
-    from ..frontend.expr import INDEX_SYMBOLS, is_load, is_parameter
+    from ..frontend.expr import is_parameter
     table = []
-    loads = sorted((f for f in expr.atoms(sympy.Function) if is_load(f) and f.args),
-                   key=sympy.default_sort_key)
-    for load in loads:
-        dims = []
-        for index in load.args:
-            if any(is_parameter(s) for s in index.free_symbols):
-                return None
-            if any(is_load(f) for f in index.atoms(sympy.Function)) or not all(
-                    s.name in INDEX_SYMBOLS and s == INDEX_SYMBOLS[s.name] for s in index.free_symbols):
-                dims.append(("data",))
+    for load, slot, dims in _sympy_reads(expr):
+        if any(is_parameter(s) for index in load.args for s in index.free_symbols):
+            return None
+        plain = []
+        for index in dims:
+            if index is None:
+                plain.append(("data",))
                 continue
             terms, const = [], 0
             for term, c in sympy.expand(index).as_coefficients_dict().items():
@@ -171,8 +188,8 @@ def index_table(expr) -> tuple | None:
                     terms.append((term.name, int(c)))
                 else:
                     return None
-            dims.append(("affine", str(index), tuple(sorted(terms)), const))
-        table.append((str(load), int(load.func.__name__[4:]), tuple(dims)))
+            plain.append(("affine", str(index), tuple(sorted(terms)), const))
+        table.append((str(load), slot, tuple(plain)))
     return tuple(table)
 
 
@@ -252,7 +269,7 @@ def _prove(lowered, layout, ranges) -> tuple:
         for dim, index in enumerate(dims):
             if index is None:
                 break            # the score or a tensor's value in the index: known on the device only
-            lo, hi = index.bounds(ranges) if isinstance(index, _Affine) else _sympy_bounds(index, ranges)
+            lo, hi = index.bounds(ranges)
             if not (0 <= lo and hi < shape[dim]):
                 break
             if set(index.names) & set(_POSITIONS):
@@ -262,41 +279,6 @@ def _prove(lowered, layout, ranges) -> tuple:
             if reads_position and extent < _INT32_EXTENT:
                 found.append(text)
     return tuple(sorted(found))
-
-
-def _reads(lowered) -> list:
-    """(load text, slot, per dim an ``_Affine``, a sympy index with ``names``, or None where the
-    index reads the score or a tensor) of each captured-tensor read of ``lowered``."""
-    if lowered.index_table is not None:
-        return [(text, slot, tuple(_Affine(*d[1:]) if d[0] == "affine" else None for d in dims))
-                for text, slot, dims in lowered.index_table]
-    import sympy
-
-    from ..frontend.expr import INDEX_SYMBOLS, is_load
-    reads = []
-    for load in lowered.expr.atoms(sympy.Function):
-        if not (is_load(load) and load.args):
-            continue
-        dims = []
-        for index in load.args:
-            positions = all(s.name in INDEX_SYMBOLS and s == INDEX_SYMBOLS[s.name] for s in index.free_symbols)
-            data = any(is_load(f) for f in index.atoms(sympy.Function))
-            dims.append(_SympyIndex(index) if positions and not data else None)
-        reads.append((str(load), int(load.func.__name__[4:]), tuple(dims)))
-    return reads
-
-
-class _SympyIndex:
-    """A sympy index with the position names it reads (``_prove``'s view of it)."""
-
-    def __init__(self, index):
-        self.index, self.names = index, tuple(sorted(s.name for s in index.free_symbols))
-
-
-def _sympy_bounds(index, ranges: dict) -> tuple:
-    from ..frontend.expr import INDEX_SYMBOLS
-    expr = index.index if isinstance(index, _SympyIndex) else index
-    return _Interval({INDEX_SYMBOLS[n]: r for n, r in ranges.items() if r is not None})(expr)
 
 
 def _plain_range(r):
@@ -318,21 +300,21 @@ def _out_of_bounds(index, free, size: int, ranges: dict) -> str | None:
     if not free and isinstance(index, _Affine):
         i = index.const
         return None if -size <= i < size else f"is {i}"
-    if not isinstance(index, _Affine) and index.is_Integer:
-        i = int(index)
+    if isinstance(index, _SympyIndex) and index.index.is_Integer:
+        i = int(index.index)
         return None if -size <= i < size else f"is {i}"
     if any(ranges[n] is None for n in free):
         return None
     if isinstance(index, _Affine):
         values = index.bounds(ranges)        # exact: an affine index's ends are real positions'
     else:
-        lo, hi = _sympy_bounds(index, ranges)
+        lo, hi = index.bounds(ranges)
         if -size <= lo and hi < size:
             return None
         # Bounds over-estimate: confirm with exact values at real positions, the corners.
         values = []
         for corner in _corners(free, ranges):
-            value = index.xreplace(corner)
+            value = index.index.xreplace(corner)
             if value.is_Integer:
                 values.append(int(value))
     bad = [v for v in values if not -size <= v < size]
