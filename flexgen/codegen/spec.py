@@ -38,7 +38,7 @@ from .snippet import Snippet
 # (forward 10, forward_gluon 6, ...): the exact _tanh of the common helpers takes its series
 # below |x| = 1/4, where 1 - exp(-2|x|) cancelled.)
 SIGMOID_REVISION = 4
-TEMPLATE_VERSIONS = {"forward": 10, "forward_gluon": 6, "backward_gluon": 4, "block_mask": 5,
+TEMPLATE_VERSIONS = {"forward": 10, "forward_gluon": 6, "backward_gluon": 5, "block_mask": 5,
                      "block_lists": 2, "decode": 4, "decode_merge": 2, "paged_write": 3,
                      "backward": 10, "linear": 5, "linear_decode": 2}
 
