@@ -51,15 +51,43 @@ def test_backend_gluon_plans_the_gluon_dkdv_kernel(as_if_hopper):
     _, bw = backward_plan(q, k, v)
     assert bw.gluon_dkdv.template == "backward_gluon" and bw.gluon_dkdv.part == "dkdv"
     assert bw.dkdv.template == "backward" and bw.dq.template == "backward"
-    assert (bw.gluon_dkdv.block_m, bw.gluon_dkdv.block_n) == (64, 128)
+    assert (bw.gluon_dkdv.block_m, bw.gluon_dkdv.block_n) == (128, 128)
     _, tl_bw = backward_plan(q, k, v, options={"BACKEND": "tl"})
     assert tl_bw.gluon_dkdv is None
 
 
-def test_auto_keeps_the_tl_dkdv_kernel_until_measured(as_if_hopper):
-    q, k, v = make_qkv(B=1, H=64, L=4096, D=64, dtype=torch.bfloat16)
-    _, bw = backward_plan(q, k, v, options=None)
-    assert (bw.gluon_dkdv is not None) == plan_module.GLUON_BACKWARD_AUTO
+@pytest.mark.parametrize("D, score, auto", [
+    (64, None, True), (64, M.tanh_softcap(30.0), True), (64, "alibi", False), (128, None, False)])
+def test_auto_takes_the_gluon_dkdv_kernel_where_it_steps_128_queries(as_if_hopper, D, score, auto):
+    """AUTO: the Gluon dK/dV kernel where the H100 measured it faster (128 query rows per
+    step: head dim 64, a score_mod not computing a tile of both positions), for calls of at
+    least GLUON_BACKWARD_MIN_SCORES scores; the tl kernel elsewhere."""
+    q, k, v = make_qkv(B=1, H=64, L=4096, D=D, dtype=torch.bfloat16)
+    score = alibi_bias(64) if score == "alibi" else score
+    _, bw = backward_plan(q, k, v, score, options=None)
+    assert (bw.gluon_dkdv is not None) == auto
+    if auto:
+        assert bw.gluon_dkdv.block_m == 128
+    small = make_qkv(B=1, H=2, L=1024, D=D, dtype=torch.bfloat16)
+    assert backward_plan(*small, score, options=None)[1].gluon_dkdv is None
+
+
+def test_gluon_dkdv_query_rows_follow_the_query_block_and_the_score_mod(as_if_hopper):
+    """Head dim 64 steps 128 queries, unless the block mask's Q_BLOCK is 64, the score_mod
+    computes a tile of both positions (its registers would spill), or BLOCK_M1 says."""
+    q, k, v = make_qkv(L=256, D=64, dtype=torch.bfloat16)
+    assert backward_plan(q, k, v)[1].gluon_dkdv.block_m == 128
+    assert backward_plan(q, k, v, M.tanh_softcap(30.0))[1].gluon_dkdv.block_m == 128
+    assert backward_plan(q, k, v, alibi_bias(4))[1].gluon_dkdv.block_m == 64
+    assert backward_plan(q, k, v, alibi_bias(4), options=dict(GLUON, BLOCK_M1=128))[1].gluon_dkdv.block_m == 128
+    # (BACKEND "gluon" refuses a Q_BLOCK of 64 for the forward kernel: AUTO's plan at a size it
+    # would take, which keeps the tl kernel there, and the Gluon spec asked of it directly)
+    big = make_qkv(B=1, H=64, L=4096, D=64, dtype=torch.bfloat16)
+    bm = create_block_mask(M.causal_mask, None, None, 4096, 4096, device="cpu", BLOCK_SIZE=(64, 128))
+    call, bw = backward_plan(*big, bm=bm, options=None)
+    assert bw.gluon_dkdv is None
+    assert plan_module.gluon_dkdv_spec(call, *big, bw.dkdv)[0].block_m == 64
+    assert backward_plan(q, k, v, options=dict(GLUON, BLOCK_M1=64))[1].gluon_dkdv.block_m == 64
 
 
 def test_kv_blocks_of_64_take_one_consumer_warpgroup(as_if_hopper):

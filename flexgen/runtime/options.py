@@ -38,7 +38,7 @@ OPTIONS = {
 # only; "gluon" always the Gluon forward kernel and the Gluon dK/dV backward kernel (sm_90,
 # fp16 / bf16, head dims 64 and 128; anything else is an InputError saying why). AUTO
 # picks the Gluon forward for large calls (plan.GLUON_AUTO), the Gluon dK/dV kernel where
-# plan.GLUON_BACKWARD_AUTO says.
+# it steps 128 queries (plan.GLUON_DKDV_BLOCK_M).
 BACKENDS = ("AUTO", "TRITON", "TRITON_DECODE", "tl", "gluon")
 # torch's options that tune torch's own kernels only: accepted (their values checked as
 # torch types them), no effect here. FORCE_USE_FLEX_ATTENTION=True is BACKEND "TRITON".

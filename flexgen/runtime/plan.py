@@ -57,9 +57,15 @@ GLUON_MIN_SCORES = 2 ** 30
 # 1024 window: 0.213 against 0.250 ms; at head dim 128 the Gluon kernel stays ahead, 0.315
 # against 0.377), and the Gluon kernel 8-11% faster on full and causal rows at head dim 64.
 GLUON_MIN_BAND_D64 = 2048
-# AUTO and the Gluon dK/dV kernel (sm_90; the dQ kernel stays tl): off until measured faster
-# than the tl dK/dV kernel (benchmarks/NOTES.md, "Gluon backward").
-GLUON_BACKWARD_AUTO = False
+# The Gluon dK/dV kernel's query rows per step by head dim (BLOCK_M1 sets them): at 64 both
+# warpgroups' Sᵀ and dPᵀ tiles of 128 queries fit in registers beside dK and dV, unless the
+# score_mod computes a tile of both positions (ALiBi: 125 spilled stores at 128 rows, none at 64).
+GLUON_DKDV_BLOCK_M = {64: 128, 128: 64}
+# AUTO takes it (sm_90; the dQ kernel stays tl) where it steps 128 queries, for calls of at
+# least GLUON_BACKWARD_MIN_SCORES scores: the H100 measured it 1.12-1.31x the tl dK/dV kernel
+# there (16k: full 3.47 against 4.98 ms, causal 1.88 against 2.33, softcap's backward 8.9
+# against 11.7), even on document and sliding-window masks, and 12% slower on ALiBi at 128
+# rows; at 64 rows it ties the tl kernel (benchmarks/NOTES.md, "Gluon dK/dV").
 GLUON_BACKWARD_MIN_SCORES = 2 ** 30
 LARGE_SPARSE_BLOCK = 1 << 30     # torch's "no block mask" marker (_create_empty_block_mask)
 _MEMO_MAX = 512
@@ -492,14 +498,15 @@ def plan_backward(plan: AttentionPlan, query, key, value, grad_slots: tuple):
             tune_blocks=None if opts.sets_tiles else (sparse_q, sparse_kv), deterministic=deterministic,
             proven=plan.proven)
         gluon = None
-        if opts.BACKEND == "gluon" or (opts.BACKEND == "AUTO" and GLUON_BACKWARD_AUTO
-                                       and not opts.sets_tiles
+        if opts.BACKEND == "gluon" or (opts.BACKEND == "AUTO" and not opts.sets_tiles
                                        and plan.B * plan.Hq * plan.Lq * plan.Lkv >= GLUON_BACKWARD_MIN_SCORES):
             gluon, why = gluon_dkdv_spec(plan, query, key, value, bw.dkdv)
             if why is not None and opts.BACKEND == "gluon":
                 raise expected("kernel_options['BACKEND']", "'gluon' only where the Gluon kernels run",
                                f"a backward the Gluon dK/dV kernel cannot run: {why}",
                                "use BACKEND 'AUTO' or 'tl' (the Triton-language kernels)")
+            if opts.BACKEND == "AUTO" and gluon is not None and gluon.block_m < 128:
+                gluon = None        # (where it ties the tl kernel, AUTO keeps the tl kernel)
         hit = plan.backward[(grad_slots, deterministic)] = dataclasses.replace(bw, gluon_dkdv=gluon)
     return hit
 
@@ -510,15 +517,20 @@ def gluon_dkdv_spec(plan: AttentionPlan, query, key, value, dkdv):
 
     Its tiles: BLOCK_N keys per program, 64 per consumer warpgroup (BLOCK_N1 / BLOCK_N, else
     128 where the kv block allows, else 64); BLOCK_M queries per step (BLOCK_M1 / BLOCK_M,
-    else 64). The dK/dV kernel scatters no captured tensor's gradient (the dQ kernel does),
-    so a score_mod with learned tensors takes it too."""
+    else GLUON_DKDV_BLOCK_M's where the query block and the score_mod allow, else 64). The dK/dV kernel scatters
+    no captured tensor's gradient (the dQ kernel does), so a score_mod with learned tensors
+    takes it too."""
     opts, info = plan.options, plan.mask_info
     why = gluon_unavailable(query, plan.D, plan.Dv)
     if why is None and not _tma_shapes_ok(query, key, value):
         why = "query / key / value layouts TMA cannot step through (make them contiguous)"
     sparse_q, sparse_kv = info.block_size if info is not None else (128, 128)
     chosen = opts.tiles("dkdv")
-    block_m = chosen.get("BLOCK_M", 64)
+    block_m = GLUON_DKDV_BLOCK_M.get(plan.D, 64)
+    score = getattr(dkdv, "score", None)
+    if score is not None and (score.free is None or {"q_idx", "kv_idx"} <= set(score.free)):
+        block_m = 64
+    block_m = chosen.get("BLOCK_M", block_m if sparse_q % block_m == 0 else 64)
     block_n = chosen.get("BLOCK_N", 128 if sparse_kv % 128 == 0 else 64)
     if why is None and (block_m not in (64, 128) or sparse_q % block_m):
         why = (f"BLOCK_M1 {block_m} with Q_BLOCK {sparse_q} (the Gluon dK/dV kernel takes 64 or 128 "
