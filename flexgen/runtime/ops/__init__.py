@@ -43,16 +43,21 @@ with collector.paused():        # a process's first import of the kernels, the p
 _PLAIN = (Tensor, torch.nn.Parameter)
 
 
-def _eager(*tensors) -> bool:
-    """Whether a call may skip the dispatcher: no tracing, no dispatch mode, no gradient,
-    and real tensors only (no FakeTensor, FunctionalTensor or other subclass)."""
+def _plain(*tensors) -> bool:
+    """Whether a call runs outside any tracing and dispatch mode, on real tensors only (no
+    FakeTensor, FunctionalTensor or other subclass)."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return False
-    grad = torch.is_grad_enabled()
-    for t in tensors:
-        if type(t) not in _PLAIN or (grad and t.requires_grad):
-            return False
-    return True
+    return all(type(t) in _PLAIN for t in tensors)
+
+
+def _wants_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _eager(*tensors) -> bool:
+    """Whether a call may skip the dispatcher: ``_plain``, and no gradient wanted."""
+    return _plain(*tensors) and not _wants_grad(*tensors)
 
 
 def _on_device(buffers, device) -> list:
@@ -140,6 +145,11 @@ def _setup_attention(ctx, inputs, output):
     if torch.compiler.is_compiling() and all(isinstance(n, int) for t in (query, key, value)
                                              for n in t.shape):
         check_backward(*inputs)
+    _save(ctx, query, key, value, output, score_buffers, mask_buffers, block_lists, rest)
+
+
+def _save(ctx, query, key, value, output, score_buffers, mask_buffers, block_lists, rest) -> None:
+    """What the backward of ``attention`` (the op's, or ``_EagerAttention``'s) keeps in ``ctx``."""
     out, lse, max_scores = output
     ctx.set_materialize_grads(False)          # an unused output's gradient stays None
     ctx.mark_non_differentiable(max_scores)
@@ -149,26 +159,34 @@ def _setup_attention(ctx, inputs, output):
     ctx.grad_slots = _backward.grad_slots(score_buffers)
 
 
-def _attention_grad(ctx, grad_out, grad_lse, grad_max):
+def _gradients(ctx, grad_out, grad_lse, needs_qkv, needs_score, backward) -> tuple:
+    """(dq, dk, dv, [gradient or None per captured tensor]) from what ``_save`` kept:
+    ``needs_qkv`` / ``needs_score`` say which inputs want one, ``backward`` is
+    ``attention_backward`` (the op) or ``_attention_backward`` (its implementation)."""
     query, key, value, out, lse, *saved = ctx.saved_tensors
-    ns, nm, nl = ctx.counts
-    score_buffers, mask_buffers, block_lists = saved[:ns], saved[ns:ns + nm], saved[ns + nm:]
-    needs = ctx.needs_input_grad
-    score_mod, mask_mod, block_size, mask_lengths, scale, enable_gqa, options, want_max = ctx.rest
-    slots = [i for i in ctx.grad_slots if needs[3][i]]
+    ns, nm, _ = ctx.counts
+    slots = [i for i in ctx.grad_slots if needs_score[i]]
     grads = [None] * ns
     dq = dk = dv = None
     if grad_out is not None or grad_lse is not None:
-        dq, dk, dv, buffer_grads = attention_backward(
-            query, key, value, out, lse, grad_out, grad_lse, list(score_buffers), list(mask_buffers),
-            list(block_lists), score_mod, mask_mod, block_size, mask_lengths, scale, enable_gqa,
-            options, slots, needs[1] or needs[2])
+        # ctx.rest ends with want_max, which the backward does not take
+        dq, dk, dv, buffer_grads = backward(
+            query, key, value, out, lse, grad_out, grad_lse, list(saved[:ns]), list(saved[ns:ns + nm]),
+            list(saved[ns + nm:]), *ctx.rest[:-1], slots, needs_qkv[1] or needs_qkv[2])
         for slot, g in zip(slots, buffer_grads):
             grads[slot] = g
+    return (dq if needs_qkv[0] else None, dk if needs_qkv[1] else None, dv if needs_qkv[2] else None,
+            grads)
+
+
+def _attention_grad(ctx, grad_out, grad_lse, grad_max):
+    needs = ctx.needs_input_grad
+    _, nm, nl = ctx.counts
+    dq, dk, dv, grads = _gradients(ctx, grad_out, grad_lse, needs[:3], needs[3], attention_backward)
+    block_size, mask_lengths = ctx.rest[2], ctx.rest[3]
     # One entry per input in the structure autograd checks: a tensor list as a list of as
     # many, an int list as one entry (an empty one as an empty list).
-    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
-            grads, [None] * nm, [None] * nl, None, None, None if block_size else [],
+    return (dq, dk, dv, grads, [None] * nm, [None] * nl, None, None, None if block_size else [],
             None if mask_lengths else [], None, None, None, None)
 
 
@@ -184,6 +202,14 @@ def attention_backward(query: Tensor, key: Tensor, value: Tensor, out: Tensor, l
                        needs_kv: bool) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     """flex_attention's backward: (dq, dk, dv (empty unless ``needs_kv``), gradients of the
     captured tensors in ``grad_slots``, in that order)."""
+    return _attention_backward(query, key, value, out, lse, grad_out, grad_lse, score_buffers,
+                               mask_buffers, block_lists, score_mod, mask_mod, block_size,
+                               mask_lengths, scale, enable_gqa, options, grad_slots, needs_kv)
+
+
+def _attention_backward(query, key, value, out, lse, grad_out, grad_lse, score_buffers, mask_buffers,
+                        block_lists, score_mod, mask_mod, block_size, mask_lengths, scale, enable_gqa,
+                        options, grad_slots, needs_kv):
     device = query.device
     score_buffers, mask_buffers = _on_device(score_buffers, device), _on_device(mask_buffers, device)
     plan = plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers,
@@ -202,13 +228,48 @@ def _attention_backward_fake(query, key, value, out, lse, grad_out, grad_lse, sc
     return _backward_fake(query, key, value, score_buffers, grad_slots, needs_kv)
 
 
+class _EagerAttention(torch.autograd.Function):
+    """``attention`` and its gradient for an eager call that wants one (``call_attention``):
+    the op's forward and backward implementations, without the op. torch's autograd wrapper
+    of a custom op flattens every argument at each call, ~0.3 ms on the dev CPU (four times
+    the rest of a warm call); torch.compile and torch.export still see the op.
+
+    ``apply(query, key, value, rest, *tensors)``: ``tensors`` the captured tensors, the mask's
+    and the block lists, in that order (inputs, so autograd sees each); ``rest`` their counts
+    and ``attention``'s other arguments from ``score_mod`` on."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, rest, *tensors):
+        (ns, nm, _), call = rest[0], rest[1:]
+        lists = list(tensors[:ns]), list(tensors[ns:ns + nm]), list(tensors[ns + nm:])
+        output = _attention(query, key, value, *lists, *call)
+        _save(ctx, query, key, value, output, *lists, call)
+        return output
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, grad_lse, grad_max):
+        needs = ctx.needs_input_grad               # (query, key, value, rest, *tensors)
+        ns, nm, nl = ctx.counts
+        dq, dk, dv, grads = _gradients(ctx, grad_out, grad_lse, needs[:3], needs[4:4 + ns],
+                                       _attention_backward)
+        return (dq, dk, dv, None, *grads, *[None] * (nm + nl))
+
+
 def call_attention(query, key, value, score_buffers, mask_buffers, block_lists, score_mod, mask_mod,
                    block_size, mask_lengths, scale, enable_gqa, options, want_max):
-    """``attention``, straight to its implementation where nothing needs the op (``_eager``)."""
+    """``attention``, straight to its implementation where nothing needs the op (``_eager``), or
+    through ``_EagerAttention`` where only autograd does."""
     args = (query, key, value, list(score_buffers), list(mask_buffers), list(block_lists), score_mod,
             mask_mod, list(block_size), list(mask_lengths), scale, enable_gqa, options, want_max)
-    if _eager(query, key, value, *score_buffers, *mask_buffers):
-        return _attention(*args)
+    tensors = (*score_buffers, *mask_buffers, *block_lists)
+    if _plain(query, key, value, *tensors):
+        if not _wants_grad(query, key, value, *tensors):
+            return _attention(*args)
+        if _wants_grad(query, key, value, *score_buffers):
+            check_backward(*args)  # before the forward kernel runs
+        counts = (len(score_buffers), len(mask_buffers), len(block_lists))
+        return _EagerAttention.apply(query, key, value, (counts, *args[6:]), *tensors)
     if _checks_backward(query, key, value, *score_buffers):
         check_backward(*args)      # before the forward kernel runs (torch.compile: setup_context)
     return torch.ops.flexgen.attention(*args)
