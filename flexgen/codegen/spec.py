@@ -36,7 +36,8 @@ from .snippet import Snippet
 # dtype does (faster to compile and, on the H100, mostly faster to run). block_lists 1: a
 # mask's eight lists from its flags in one launch, on a GPU. Every template's next version
 # (forward 10, forward_gluon 6, ...): the exact _tanh of the common helpers takes its series
-# below |x| = 1/4, where 1 - exp(-2|x|) cancelled.)
+# below |x| = 1/4, where 1 - exp(-2|x|) cancelled. backward_gluon 5: a query tile's LSE and
+# delta rows loaded one element per thread, where they spilled in the score tile's layout.)
 SIGMOID_REVISION = 4
 TEMPLATE_VERSIONS = {"forward": 10, "forward_gluon": 6, "backward_gluon": 5, "block_mask": 5,
                      "block_lists": 2, "decode": 4, "decode_merge": 2, "paged_write": 3,

@@ -517,9 +517,9 @@ def gluon_dkdv_spec(plan: AttentionPlan, query, key, value, dkdv):
 
     Its tiles: BLOCK_N keys per program, 64 per consumer warpgroup (BLOCK_N1 / BLOCK_N, else
     128 where the kv block allows, else 64); BLOCK_M queries per step (BLOCK_M1 / BLOCK_M,
-    else GLUON_DKDV_BLOCK_M's where the query block and the score_mod allow, else 64). The dK/dV kernel scatters
-    no captured tensor's gradient (the dQ kernel does), so a score_mod with learned tensors
-    takes it too."""
+    else GLUON_DKDV_BLOCK_M's where the query block and the score_mod allow, else 64). The
+    dK/dV kernel scatters no captured tensor's gradient (the dQ kernel does), so a score_mod
+    with learned tensors takes it too."""
     opts, info = plan.options, plan.mask_info
     why = gluon_unavailable(query, plan.D, plan.Dv)
     if why is None and not _tma_shapes_ok(query, key, value):
