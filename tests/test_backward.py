@@ -17,6 +17,7 @@ partial.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import zlib
 
@@ -493,7 +494,6 @@ def test_eager_gradients_take_the_ops_implementations_without_the_op():
         (out * grad).sum().backward()
         return name, out.detach(), lse.detach(), [t.grad for t in leaves]
 
-    import contextlib
     eager_fn, *eager = run(contextlib.nullcontext())
     op_fn, *op = run(Passthrough())
     assert "EagerAttention" in eager_fn and "EagerAttention" not in op_fn

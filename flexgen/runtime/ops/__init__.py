@@ -87,8 +87,7 @@ def _backward_fake(query, key, value, score_buffers, grad_slots, needs_kv) -> tu
 def _checks_backward(*tensors) -> bool:
     """Whether an op's backward must be checked before its forward runs: eagerly, with a
     gradient wanted for one of ``tensors`` (under torch.compile: setup_context does it)."""
-    return (not torch.compiler.is_compiling() and torch.is_grad_enabled()
-            and any(t.requires_grad for t in tensors))
+    return not torch.compiler.is_compiling() and _wants_grad(*tensors)
 
 
 @torch.library.custom_op("flexgen::attention", mutates_args=())
@@ -264,10 +263,10 @@ def call_attention(query, key, value, score_buffers, mask_buffers, block_lists, 
             mask_mod, list(block_size), list(mask_lengths), scale, enable_gqa, options, want_max)
     tensors = (*score_buffers, *mask_buffers, *block_lists)
     if _plain(query, key, value, *tensors):
-        if not _wants_grad(query, key, value, *tensors):
-            return _attention(*args)
         if _wants_grad(query, key, value, *score_buffers):
             check_backward(*args)  # before the forward kernel runs
+        elif not _wants_grad(*mask_buffers, *block_lists):
+            return _attention(*args)
         counts = (len(score_buffers), len(mask_buffers), len(block_lists))
         return _EagerAttention.apply(query, key, value, (counts, *args[6:]), *tensors)
     if _checks_backward(query, key, value, *score_buffers):
