@@ -45,7 +45,8 @@ flex backward) and the case is small, the dense float32 reference
 
 ``--backends tl,gluon`` also times flexgen once per kernel_options BACKEND in the same
 case (on top of ``--flexgen-options``): "tl" (tl forward, tl backward), "gluon" (the Gluon
-forward and dK/dV kernels, the tl dQ kernel), "AUTO"; each is checked like the main
+forward, dQ and dK/dV kernels; the tl dQ kernel where a captured tensor wants a gradient),
+"AUTO"; each is checked like the main
 flexgen run and printed as a table of its own (bwd and fwd+bwd ms, ratio to torch).
 
 ``--flexgen-options JSON`` passes a dict as flexgen's ``kernel_options`` in every
@@ -132,7 +133,7 @@ def recording_kernels(fn):
         launch.RECORDED = previous
     kernels = {}
     for spec, _, _ in recorded:
-        name = f"backward.{spec.part}" if spec.template == "backward" else spec.template
+        name = f"{spec.template}.{spec.part}" if spec.template.startswith("backward") else spec.template
         kernels[name] = dict(use_tma=spec.use_tma, block_m=spec.block_m, block_n=spec.block_n,
                              num_warps=spec.num_warps, num_stages=spec.num_stages)
     return result, kernels
@@ -376,7 +377,7 @@ def table(payload) -> str:
         lines.append("")
         lines.append("per BACKEND (kernel_options), same inputs and run: ms, and torch ms / that ms")
         head = f"{'D':>3} {'variant':<14} {'L':>6} {'BACKEND':<7} | {'bwd ms':>8} {'vs torch':>8} | " \
-               f"{'fwd+bwd ms':>10} {'vs torch':>8} | {'fwd ms':>7} | {'check':<7} | dK/dV kernel"
+               f"{'fwd+bwd ms':>10} {'vs torch':>8} | {'fwd ms':>7} | {'check':<7} | dQ, dK/dV kernels"
         lines += [head, "-" * len(head)]
         for r in payload.get("cases", []):
             for b in backends:
@@ -386,12 +387,13 @@ def table(payload) -> str:
                         lines.append(f"{r['D']:>3} {r['variant']:<14} {r['L']:>6} {b:<7} | ERROR {r[f'{p}_error'][:100]}")
                     continue
                 kernels = r.get(f"{p}_kernels") or {}
-                dkdv = "gluon" if "backward_gluon" in kernels else "tl" if "backward.dkdv" in kernels else "?"
+                dq, dkdv = ("gluon" if f"backward_gluon.{part}" in kernels else "tl" if f"backward.{part}" in kernels
+                            else "?" for part in ("dq", "dkdv"))
                 lines.append(
                     f"{r['D']:>3} {r['variant']:<14} {r['L']:>6} {b:<7} | {r[f'{p}_bwd_ms']:8.3f} "
                     f"{f(r.get(f'{p}_vs_torch_bwd'), '8.2f'):>8} | {r[f'{p}_fwdbwd_ms']:10.3f} "
                     f"{f(r.get(f'{p}_vs_torch_fwdbwd'), '8.2f'):>8} | {r[f'{p}_fwd_ms']:7.3f} | "
-                    f"{f(r.get(f'{p}_check_rel'), '7.1e'):<7} | {dkdv}")
+                    f"{f(r.get(f'{p}_check_rel'), '7.1e'):<7} | {dq}, {dkdv}")
     # Footnotes, one line per distinct message with the cases it concerns (a smoke run has the same
     # torch error six times).
     notes = {}

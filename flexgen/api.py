@@ -161,7 +161,7 @@ def kernel_source(query, key, value, score_mod=None, block_mask=None, scale=None
         return source(call.spec if call.kernel == "forward" else call.decode.spec)
     score_buffers = () if score_mod is None else trace_cached(score_mod, "score_mod").buffers
     bw = plan_backward(call, query, key, value, grad_slots(score_buffers))
-    return source(bw.dq if part == "dq" else bw.gluon_dkdv or bw.dkdv)
+    return source(bw.gluon_dq or bw.dq if part == "dq" else bw.gluon_dkdv or bw.dkdv)
 
 
 # ---------------------------------------------------------------------------------- packed varlen
@@ -475,7 +475,7 @@ def sigmoid_kernel_source(query, key, value, score_mod=None, block_mask=None, sc
     if part == "forward":
         return source(plan.spec if plan.kernel == "forward" else plan.decode.spec)
     bw = plan_sigmoid_backward(*args, grad_slots(score_buffers))
-    return source(bw.dq if part == "dq" else bw.gluon_dkdv or bw.dkdv)
+    return source(bw.gluon_dq or bw.dq if part == "dq" else bw.gluon_dkdv or bw.dkdv)
 
 
 # ---------------------------------------------------------------------------------- linear attention

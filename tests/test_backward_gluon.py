@@ -1,11 +1,15 @@
-"""The Gluon dK/dV backward kernel (sm_90; the dQ kernel stays the Triton-language one).
+"""The Gluon backward kernels (sm_90): dK/dV and dQ.
 
-``templates/backward_gluon.py.jinja`` renders from the tl dK/dV spec's fields (the same
-printed mods and derivatives): a program owns BLOCK_N keys, 64 per consumer warpgroup, with
-K and V in shared memory; a TMA producer warp streams Q and dO tiles of the query blocks
-the keys meet (the block mask's transposed lists, every head of the GQA group) through an
-mbarrier ring; the consumers compute Sᵀ = K Qᵀ and dPᵀ = V dOᵀ with async wgmma, recompute
-Pᵀ from the LSE, and accumulate dV += Pᵀ dO, dK += dSᵀ Q in registers.
+``templates/backward_gluon.py.jinja`` renders both parts from the tl specs' fields (the same
+printed mods and derivatives). dK/dV: a program owns BLOCK_N keys, 64 per consumer
+warpgroup, with K and V in shared memory; a TMA producer warp streams Q and dO tiles of the
+query blocks the keys meet (the block mask's transposed lists, every head of the GQA group)
+through an mbarrier ring; the consumers compute Sᵀ = K Qᵀ and dPᵀ = V dOᵀ with async wgmma,
+recompute Pᵀ from the LSE, and accumulate dV += Pᵀ dO, dK += dSᵀ Q in registers. dQ: a
+program owns BLOCK_M queries, 64 per consumer warpgroup, with Q and dO in shared memory, and
+the producer streams the K and V tiles of the kv lists; it writes delta and accumulates
+dQ += dS K. A score_mod whose captured tensors want gradients keeps the tl dQ kernel (it
+scatters them).
 
 Gluon does not run in Triton's interpreter: on CPU this file checks the choice and its
 refusals, and that every variant compiles for sm_90 with the installed Triton (3.6 and the
@@ -46,14 +50,49 @@ def backward_plan(q, k, v, score=None, bm=None, options=GLUON):
 
 # ------------------------------------------------------------------------- the choice
 
-def test_backend_gluon_plans_the_gluon_dkdv_kernel(as_if_hopper):
+def test_backend_gluon_plans_the_gluon_backward_kernels(as_if_hopper):
     q, k, v = make_qkv(B=1, H=4, Hkv=2, L=300, D=64, dtype=torch.bfloat16)
     _, bw = backward_plan(q, k, v)
     assert bw.gluon_dkdv.template == "backward_gluon" and bw.gluon_dkdv.part == "dkdv"
+    assert bw.gluon_dq.template == "backward_gluon" and bw.gluon_dq.part == "dq"
     assert bw.dkdv.template == "backward" and bw.dq.template == "backward"
     assert (bw.gluon_dkdv.block_m, bw.gluon_dkdv.block_n) == (128, 128)
+    assert (bw.gluon_dq.block_m, bw.gluon_dq.block_n) == (128, 64)       # (64 keys at head dim 64)
+    assert "CONSUMERS = gl.constexpr(2)" in cache.source(bw.gluon_dq)
     _, tl_bw = backward_plan(q, k, v, options={"BACKEND": "tl"})
-    assert tl_bw.gluon_dkdv is None
+    assert tl_bw.gluon_dkdv is None and tl_bw.gluon_dq is None
+
+
+def test_learned_captured_tensors_keep_the_tl_dq_kernel(as_if_hopper):
+    """The tl dQ kernel scatters a learned tensor's gradient; the Gluon one has no scatter, so
+    such a score_mod keeps the tl dQ kernel, under BACKEND "gluon" too (the dK/dV kernel
+    only reads the tensor and stays Gluon)."""
+    q, k, v = make_qkv(B=1, H=4, L=300, D=64, dtype=torch.bfloat16)
+    _, bw = backward_plan(q, k, v, learned_bias())
+    assert bw.dq.scatters and bw.gluon_dq is None and bw.gluon_dkdv is not None
+    bias = torch.linspace(-0.5, 0.5, 4)        # (no gradient wanted: the Gluon dQ kernel)
+
+    def frozen(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+    assert backward_plan(q, k, v, frozen)[1].gluon_dq is not None
+
+
+def test_gluon_dq_tiles_follow_the_blocks_the_score_mod_and_the_options(as_if_hopper):
+    """Head dim 128 steps 128 keys, unless the score_mod computes a tile of both positions
+    (its registers would spill), the kv block is 64 or BLOCK_N2 says; BLOCK_M2 sets the rows."""
+    q, k, v = make_qkv(L=256, D=128, dtype=torch.bfloat16)
+    assert (backward_plan(q, k, v)[1].gluon_dq.block_n, backward_plan(q, k, v)[1].gluon_dq.num_stages) == (128, 2)
+    assert backward_plan(q, k, v, M.tanh_softcap(30.0))[1].gluon_dq.block_n == 128
+    assert backward_plan(q, k, v, alibi_bias(4))[1].gluon_dq.block_n == 64
+    bm64 = create_block_mask(M.causal_mask, None, None, 256, 256, device="cpu", BLOCK_SIZE=(128, 64))
+    assert backward_plan(q, k, v, bm=bm64)[1].gluon_dq.block_n == 64
+    assert backward_plan(q, k, v, options=dict(GLUON, BLOCK_M2=64, BLOCK_N2=128))[1].gluon_dq.block_m == 64
+    # (a Q_BLOCK of 64 under AUTO: BACKEND "gluon" refuses it for the forward kernel)
+    big = make_qkv(B=1, H=64, L=4096, D=128, dtype=torch.bfloat16)
+    bm = create_block_mask(M.causal_mask, None, None, 4096, 4096, device="cpu", BLOCK_SIZE=(64, 128))
+    assert backward_plan(*big, bm=bm, options=None)[1].gluon_dq.block_m == 64
+    with pytest.raises(InputError, match="BLOCK_N2 32"):
+        backward_plan(q, k, v, options=dict(GLUON, BLOCK_N2=32))
 
 
 @pytest.mark.parametrize("D, score, auto", [
@@ -68,8 +107,11 @@ def test_auto_takes_the_gluon_dkdv_kernel_where_it_steps_128_queries(as_if_hoppe
     assert (bw.gluon_dkdv is not None) == auto
     if auto:
         assert bw.gluon_dkdv.block_m == 128
+    # (the Gluon dQ kernel: at head dim 128, for every mod at this size)
+    assert (bw.gluon_dq is not None) == (D == 128)
     small = make_qkv(B=1, H=2, L=1024, D=D, dtype=torch.bfloat16)
-    assert backward_plan(*small, score, options=None)[1].gluon_dkdv is None
+    small_bw = backward_plan(*small, score, options=None)[1]
+    assert small_bw.gluon_dkdv is None and small_bw.gluon_dq is None
 
 
 def test_gluon_dkdv_query_rows_follow_the_query_block_and_the_score_mod(as_if_hopper):
@@ -86,7 +128,7 @@ def test_gluon_dkdv_query_rows_follow_the_query_block_and_the_score_mod(as_if_ho
     bm = create_block_mask(M.causal_mask, None, None, 4096, 4096, device="cpu", BLOCK_SIZE=(64, 128))
     call, bw = backward_plan(*big, bm=bm, options=None)
     assert bw.gluon_dkdv is None
-    assert plan_module.gluon_dkdv_spec(call, *big, bw.dkdv)[0].block_m == 64
+    assert plan_module.gluon_backward_spec(call, *big, bw.dkdv)[0].block_m == 64
     assert backward_plan(q, k, v, options=dict(GLUON, BLOCK_M1=64))[1].gluon_dkdv.block_m == 64
 
 
@@ -107,7 +149,8 @@ def test_tiles_it_cannot_take_are_refused(as_if_hopper):
 def test_cpu_tensors_are_refused_with_the_reason():
     q, k, v = make_qkv(L=200, D=64, dtype=torch.bfloat16)
     call = flexgen.api.plan(q, k, v)
-    why = plan_module.gluon_dkdv_spec(call, q, k, v, None)[1]
+    bw = plan_module.plan_backward(call, q, k, v, ())
+    why = plan_module.gluon_backward_spec(call, q, k, v, bw.dkdv)[1]
     assert "CUDA GPUs only" in why
 
 
@@ -157,26 +200,35 @@ def case_inputs(name, device="cpu"):
 
 
 @pytest.mark.skipif(not conftest.AOT_ENABLED, reason="FLEXGEN_TEST_AOT=0")
+@pytest.mark.parametrize("part", ["dq", "dkdv"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_gluon_dkdv_compiles_for_sm90(as_if_hopper, name):
-    """Each variant compiles to a cubin for sm_90 with the installed Triton, with the argument
-    types of a real launch (Gluon TMA descriptors, the transposed lists, captured tensors)."""
+def test_gluon_backward_compiles_for_sm90(as_if_hopper, name, part):
+    """Each variant of both kernels compiles to a cubin for sm_90 with the installed Triton,
+    with the argument types of a real launch (Gluon TMA descriptors, the lists, captured
+    tensors); a score_mod whose captured tensors want gradients has no Gluon dQ kernel."""
     q, k, v, score, bm, options = case_inputs(name)
     call, bw = backward_plan(q, k, v, score, bm, options)
-    spec = bw.gluon_dkdv
-    assert spec.template == "backward_gluon"
+    spec = bw.gluon_dq if part == "dq" else bw.gluon_dkdv
+    if part == "dq" and bw.dq.scatters:
+        assert spec is None
+        return
+    assert spec.template == "backward_gluon" and spec.part == part
     module = cache.load(spec, interpret=False)
     B, H, Lq, _ = q.shape
     _, _, lists, block_size, _ = mask_inputs(bm)
-    sparse = None if bm is None else backward_module._lists(lists[4:], B, H, block_size)
+    sparse = None if bm is None else backward_module._lists(lists[:4] if part == "dq" else lists[4:], B, H,
+                                                            block_size)
     lse = torch.empty(B, H, Lq)
     score_buffers = () if score is None else trace_cached(score, "score_mod").buffers
     mask_buffers = () if bm is None else trace_cached(bm.mask_mod, "mask_mod").buffers
     grid, args, constexprs = module.arguments(
-        q=q, k=k, v=v, out=None, dout=torch.empty_like(q), lse=lse, dlse=None, delta=lse, dq=None,
-        dk=torch.empty_like(k), dv=torch.empty_like(v), sparse=sparse, score_buffers=score_buffers,
-        mask_buffers=mask_buffers, grad_buffers=(), scale=0.125)
-    assert grid == (-(-k.shape[2] // spec.block_n), B * k.shape[1])
+        q=q, k=k, v=v, out=torch.empty_like(q), dout=torch.empty_like(q), lse=lse, dlse=None, delta=lse,
+        dq=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(v), sparse=sparse,
+        score_buffers=score_buffers, mask_buffers=mask_buffers, grad_buffers=(), scale=0.125)
+    if part == "dq":
+        assert grid == (-(-Lq // spec.block_m), B * H)
+    else:
+        assert grid == (-(-k.shape[2] // spec.block_n), B * k.shape[1])
     compiled = aot.compile_launch(spec, args, constexprs)
     assert compiled.asm.get("cubin")
     # Hopper's asynchronous matrix instructions and TMA copies, not a fallback.
@@ -196,15 +248,18 @@ def _check(name, got, want, tol):
 
 
 def check_gradients(q, k, v, score=None, bm=None, options=GLUON, learned=(), tol=3e-2):
-    """One training step through flex_attention (Gluon dK/dV, tl dQ) against autograd through
-    the float64 oracle from float32 copies of the same inputs; the Gluon kernel must have run."""
+    """One training step through flex_attention (the Gluon dK/dV and dQ kernels; the tl dQ
+    kernel where a captured tensor wants a gradient) against autograd through the float64
+    oracle from float32 copies of the same inputs; the Gluon kernels must have run."""
     leaves = [t.detach().requires_grad_() for t in (q, k, v)] + list(learned)
     with aot.recording() as launches:
         out = flex_attention(*leaves[:3], score_mod=score, block_mask=bm, enable_gqa=True,
                              kernel_options=options)
         dout = torch.randn_like(out)
         got = torch.autograd.grad(out, leaves, dout)
-    assert [s.template for s, _, _ in launches].count("backward_gluon") == 1
+    gluon_parts = [s.part for s, _, _ in launches if s.template == "backward_gluon"]
+    scatters = any(s.template == "backward" and s.part == "dq" and s.scatters for s, _, _ in launches)
+    assert sorted(gluon_parts) == (["dkdv"] if scatters else ["dkdv", "dq"])
     ref_leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
     ref = flex_attention_reference(*ref_leaves, score_mod=score, mask_mod=bm, enable_gqa=True,
                                    dtype=torch.float64)
@@ -254,6 +309,28 @@ def test_gluon_dead_rows_get_zero_gradients(D):
     bm = create_block_mask(late, None, None, 400, 400, device="cuda")
     dq, dk, dv = check_gradients(q, k, v, bm=bm)
     assert (dq[:, :, :150] == 0).all()
+
+
+@needs_hopper
+@pytest.mark.parametrize("D", [64, 128])
+def test_gluon_lse_gradient(D):
+    """A loss that reads the LSE too: its gradient enters delta, which the Gluon dQ kernel
+    writes (and the dK/dV kernel reads)."""
+    q, k, v = make_qkv(B=1, H=4, Hkv=2, L=777, D=D, dtype=torch.bfloat16, device="cuda")
+    bm = create_block_mask(M.causal_mask, None, None, 777, 777, device="cuda")
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    with aot.recording() as launches:
+        out, lse = flex_attention(*leaves, block_mask=bm, enable_gqa=True, return_lse=True,
+                                  kernel_options=GLUON)
+        dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+        got = torch.autograd.grad([out, lse], leaves, [dout, dlse])
+    assert sorted(s.part for s, _, _ in launches if s.template == "backward_gluon") == ["dkdv", "dq"]
+    ref_leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = flex_attention_reference(*ref_leaves, mask_mod=bm, enable_gqa=True, return_lse=True,
+                                            dtype=torch.float64)
+    want = torch.autograd.grad([ref, ref_lse], ref_leaves, [dout.double(), dlse.double()])
+    for name, g, w in zip(["dq", "dk", "dv"], got, want):
+        _check(name, g, w, 3e-2)
 
 
 @needs_hopper

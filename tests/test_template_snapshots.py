@@ -84,8 +84,9 @@ def attention(part, score_mod=None, mask_mod=None, options=None, det=False, Lq=L
     return render
 
 
-def gluon_dkdv(score_mod=None, mask_mod=None, D=64, block=None):
-    """The Gluon dK/dV kernel (sm_90), planned as on a Hopper GPU and rendered on CPU."""
+def gluon_backward(part, score_mod=None, mask_mod=None, D=64, block=None):
+    """A Gluon backward kernel (sm_90; ``part`` "dq" or "dkdv"), planned as on a Hopper GPU and
+    rendered on CPU."""
     def render():
         from flexgen.runtime import plan as plan_module
         real = plan_module.gluon_unavailable
@@ -96,7 +97,7 @@ def gluon_dkdv(score_mod=None, mask_mod=None, D=64, block=None):
             mask = None if mask_mod is None else create_block_mask(
                 mask_mod, 1, None, L, L, device="cpu", **({} if block is None else {"BLOCK_SIZE": block}))
             return kernel_source(q, k, v, score_mod, mask, enable_gqa=True,
-                                 kernel_options={"BACKEND": "gluon"}, part="dkdv")
+                                 kernel_options={"BACKEND": "gluon"}, part=part)
         finally:
             plan_module.gluon_unavailable = real
             plan_module.clear_memos()
@@ -164,10 +165,14 @@ CASES = {
     "dkdv_padded_alibi_document": ("backward", "< 80", attention(
         "dkdv", M.alibi(slopes=M.alibi_slopes(4)), M.document_mask(DOC), **PAD)),
     # backward: the Gluon dK/dV kernel (sm_90): two consumer warpgroups, and one (KV_BLOCK 64)
-    "dkdv_gluon_softcap_causal": ("backward_gluon", "warpgroup_mma(", gluon_dkdv(
-        M.tanh_softcap(30.0), M.causal_mask)),
-    "dkdv_gluon_alibi_document_kv64_d128": ("backward_gluon", "CONSUMERS = gl.constexpr(1)", gluon_dkdv(
-        M.alibi(slopes=M.alibi_slopes(4)), M.document_mask(DOC), D=128, block=(128, 64))),
+    "dkdv_gluon_softcap_causal": ("backward_gluon", "warpgroup_mma(", gluon_backward(
+        "dkdv", M.tanh_softcap(30.0), M.causal_mask)),
+    "dkdv_gluon_alibi_document_kv64_d128": ("backward_gluon", "CONSUMERS = gl.constexpr(1)", gluon_backward(
+        "dkdv", M.alibi(slopes=M.alibi_slopes(4)), M.document_mask(DOC), D=128, block=(128, 64))),
+    "dq_gluon_softcap_causal_d128": ("backward_gluon", "dq = warpgroup_mma(ds_op", gluon_backward(
+        "dq", M.tanh_softcap(30.0), M.causal_mask, D=128)),
+    "dq_gluon_alibi_document": ("backward_gluon", "delta_r = gl.sum(", gluon_backward(
+        "dq", M.alibi(slopes=M.alibi_slopes(4)), M.document_mask(DOC))),
     # decode (a few queries)
     "decode_softcap_document": ("decode", "VISIT_IDX", attention("forward", M.tanh_softcap(30.0),
                                                                  M.document_mask(DOC), Lq=1)),

@@ -30,12 +30,12 @@ and every tensor it would address that way can be (``spec.tma_addressable``: the
 upstream gradient autograd hands over can have any strides); otherwise that
 call runs the pointer kernels.
 
-On sm_90 the dK/dV part also has a Gluon kernel (``templates/backward_gluon.py.jinja``,
-``plan.gluon_dkdv_spec``): warp-specialized, a TMA producer warp streaming Q and dO
-through an mbarrier ring to consumer warpgroups that own 64 keys each (async wgmma).
-BACKEND "gluon" takes it (an InputError where it cannot run); a call whose tensors TMA
-cannot address runs the tl kernel. It scatters nothing: captured tensors' gradients
-come from the tl dQ kernel, which always runs first.
+On sm_90 both parts also have a Gluon kernel (``templates/backward_gluon.py.jinja``,
+``plan.gluon_backward_spec``): warp-specialized, a TMA producer warp
+streaming tiles through an mbarrier ring to consumer warpgroups that own 64 keys (dK/dV)
+or 64 queries (dQ) each (async wgmma). BACKEND "gluon" takes them (an InputError where
+they cannot run); a call whose tensors TMA cannot address runs the tl kernels. Neither
+scatters: a score_mod whose captured tensors want gradients keeps the tl dQ kernel.
 """
 from __future__ import annotations
 
@@ -92,9 +92,11 @@ class BackwardPlan:
     pointer: tuple | None         # TMA dq, dkdv: their pointer variants (for tensors TMA cannot address)
     grad_slots: tuple             # score buffers that receive a gradient
     tune_blocks: tuple | None     # sparse block sizes the autotuner's tiles divide; None: fixed tiles
-    # The Gluon dK/dV kernel (sm_90) where the plan takes it (``plan.gluon_dkdv_spec``), else
-    # None. dkdv stays the tl kernel: what runs where a tensor TMA cannot address comes to it.
+    # The Gluon dK/dV and dQ kernels (sm_90) where the plan takes them
+    # (``plan.gluon_backward_spec``), else None. dq and dkdv stay the tl kernels: what runs where a
+    # tensor TMA cannot address (or a Gluon kernel does not compile) comes to them.
     gluon_dkdv: BackwardSpec | None = None
+    gluon_dq: BackwardSpec | None = None
 
 
 def _tiles(t: dict) -> dict:
@@ -201,18 +203,11 @@ def run_backward(bw: BackwardPlan, plan, query, key, value, out, lse, grad_out, 
     run = _Launcher(plan, (query, key, value, out, grad_out, lse, dlse, delta, dq, dk, dv, *grads),
                     score_buffers, mask_buffers, block_lists, bias)
     # The dQ kernel runs first in any case: it writes delta, which the dK/dV kernel reads.
-    run(dq_spec, functools.partial(inputs, True), bw.tune_blocks)
+    run.either(_gluon(bw.gluon_dq, (query, key, value, grad_out, dq), query.dtype), dq_spec,
+               functools.partial(inputs, True), bw.tune_blocks)
     if needs_kv:
-        gluon = _gluon_dkdv(bw, (query, key, value, grad_out, dk, dv), query.dtype)
-        dkdv_inputs = functools.partial(inputs, False)
-        if gluon is None:
-            run(dkdv_spec, dkdv_inputs, bw.tune_blocks)
-        else:
-            try:
-                run(gluon, dkdv_inputs)
-            except CompilationError as err:
-                _gluon_failed(plan, gluon, err)
-                run(dkdv_spec, dkdv_inputs, bw.tune_blocks)
+        run.either(_gluon(bw.gluon_dkdv, (query, key, value, grad_out, dk, dv), query.dtype), dkdv_spec,
+                   functools.partial(inputs, False), bw.tune_blocks)
         if shared_kv:
             dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
     return dq, dk, dv, buffer_grads(bw, grads, score_buffers)
@@ -240,17 +235,25 @@ class _Launcher:
                                   replay=self.fresh, origins=self.origins)
             remember(self.plan, key, launched)
 
+    def either(self, gluon, tl, make_inputs, tune_blocks) -> None:
+        """The Gluon kernel ``gluon`` (or None), else (or where it does not compile) the tl one."""
+        if gluon is not None:
+            try:
+                return self(gluon, make_inputs)
+            except CompilationError as err:
+                _gluon_failed(self.plan, gluon, err)
+        self(tl, make_inputs, tune_blocks)
 
-# Keys of Gluon dK/dV specs that failed to compile with this Triton (AUTO then runs the tl
+
+# Keys of Gluon backward specs that failed to compile with this Triton (AUTO then runs the tl
 # kernel for them from there on).
 _GLUON_FAILED: set = set()
 
 
-def _gluon_dkdv(bw: BackwardPlan, tensors, dtype):
-    """The plan's Gluon dK/dV spec where it has one that compiled and every tensor it reads
-    through TMA descriptors can be (an expanded or sliced upstream gradient, a key shared by
-    the batch, cannot: the tl kernel takes those calls), else None."""
-    gluon = bw.gluon_dkdv
+def _gluon(gluon: BackwardSpec | None, tensors, dtype):
+    """``gluon`` (a plan's Gluon dQ or dK/dV spec, or None) where it compiled and every tensor
+    it reads through TMA descriptors can be (an expanded or sliced upstream gradient, a key
+    shared by the batch, cannot: the tl kernel takes those calls), else None."""
     if gluon is None or gluon.key in _GLUON_FAILED:
         return None
     if not all(t.dtype == dtype and tma_addressable(t) for t in tensors):
@@ -259,12 +262,12 @@ def _gluon_dkdv(bw: BackwardPlan, tensors, dtype):
 
 
 def _gluon_failed(plan, spec, err) -> None:
-    """The Gluon dK/dV kernel did not compile with this Triton (its API moves between
+    """A Gluon backward kernel did not compile with this Triton (its API moves between
     releases): under BACKEND "gluon" an InputError saying so; under AUTO the tl kernel runs
     this call and every later one of the spec."""
     if plan.options.BACKEND == "gluon":
         import triton
-        raise expected("kernel_options['BACKEND']", "'gluon' where the Gluon dK/dV kernel compiles",
+        raise expected("kernel_options['BACKEND']", f"'gluon' where the Gluon {spec.part} kernel compiles",
                        f"a compile error with Triton {triton.__version__}: {str(err)[-400:]}",
                        "use BACKEND 'AUTO' or 'tl' (the Triton-language kernels)") from err
     _GLUON_FAILED.add(spec.key)

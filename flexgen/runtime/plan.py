@@ -67,6 +67,14 @@ GLUON_DKDV_BLOCK_M = {64: 128, 128: 64}
 # against 11.7), even on document and sliding-window masks, and 12% slower on ALiBi at 128
 # rows; at 64 rows it ties the tl kernel (benchmarks/NOTES.md, "Gluon dK/dV").
 GLUON_BACKWARD_MIN_SCORES = 2 ** 30
+# The Gluon dQ kernel's keys per step by head dim (BLOCK_N2 sets them; 64 where the score_mod
+# computes a tile of both positions: ALiBi spills at 128). AUTO takes the kernel at the head
+# dims listed, for calls of at least GLUON_BACKWARD_MIN_SCORES scores (and BACKEND "gluon"
+# wherever it can run): the H100 measured it 1.08-1.24x the tl dQ kernel at head dim 128 (16k:
+# full 4.17 against 5.11 ms, causal 2.15 against 2.67, softcap 5.71 against 6.23) and a tie on
+# a sliding window; at head dim 64 0.89-0.96x on full, sliding-window, ALiBi and softcap rows
+# (faster under causal and document masks only: benchmarks/NOTES.md, "Gluon dQ").
+GLUON_DQ_BLOCK_N = {128: 128}
 LARGE_SPARSE_BLOCK = 1 << 30     # torch's "no block mask" marker (_create_empty_block_mask)
 _MEMO_MAX = 512
 
@@ -497,54 +505,67 @@ def plan_backward(plan: AttentionPlan, query, key, value, grad_slots: tuple):
             dot_precision=dot_precision(query), use_tma=use_tma, dq_tiles=dq, dkdv_tiles=dkdv,
             tune_blocks=None if opts.sets_tiles else (sparse_q, sparse_kv), deterministic=deterministic,
             proven=plan.proven)
-        gluon = None
+        gluon = gluon_dq = None
         if opts.BACKEND == "gluon" or (opts.BACKEND == "AUTO" and not opts.sets_tiles
                                        and plan.B * plan.Hq * plan.Lq * plan.Lkv >= GLUON_BACKWARD_MIN_SCORES):
-            gluon, why = gluon_dkdv_spec(plan, query, key, value, bw.dkdv)
+            gluon, why = gluon_backward_spec(plan, query, key, value, bw.dkdv)
             if why is not None and opts.BACKEND == "gluon":
                 raise expected("kernel_options['BACKEND']", "'gluon' only where the Gluon kernels run",
                                f"a backward the Gluon dK/dV kernel cannot run: {why}",
                                "use BACKEND 'AUTO' or 'tl' (the Triton-language kernels)")
             if opts.BACKEND == "AUTO" and gluon is not None and gluon.block_m < 128:
                 gluon = None        # (where it ties the tl kernel, AUTO keeps the tl kernel)
-        hit = plan.backward[(grad_slots, deterministic)] = dataclasses.replace(bw, gluon_dkdv=gluon)
+            # The dQ kernel: a score_mod whose captured tensors want gradients keeps the tl one
+            # (it scatters them), under BACKEND "gluon" too.
+            if opts.BACKEND == "gluon" or plan.D in GLUON_DQ_BLOCK_N:
+                gluon_dq, why = gluon_backward_spec(plan, query, key, value, bw.dq)
+                if why is not None and opts.BACKEND == "gluon" and not bw.dq.scatters:
+                    raise expected("kernel_options['BACKEND']", "'gluon' only where the Gluon kernels run",
+                                   f"a backward the Gluon dQ kernel cannot run: {why}",
+                                   "use BACKEND 'AUTO' or 'tl' (the Triton-language kernels)")
+        hit = plan.backward[(grad_slots, deterministic)] = dataclasses.replace(bw, gluon_dkdv=gluon,
+                                                                              gluon_dq=gluon_dq)
     return hit
 
 
-def gluon_dkdv_spec(plan: AttentionPlan, query, key, value, dkdv):
-    """(the Gluon dK/dV spec, None) or (None, why it cannot run this call), from the tl
-    dK/dV spec ``dkdv`` (the same mods, derivatives and head dims).
+def gluon_backward_spec(plan: AttentionPlan, query, key, value, spec):
+    """(the Gluon kernel of a backward part, None) or (None, why it cannot run this call), from
+    the tl spec of that part (``dq`` or ``dkdv``: the same mods, derivatives and head dims).
 
-    Its tiles: BLOCK_N keys per program, 64 per consumer warpgroup (BLOCK_N1 / BLOCK_N, else
-    128 where the kv block allows, else 64); BLOCK_M queries per step (BLOCK_M1 / BLOCK_M,
-    else GLUON_DKDV_BLOCK_M's where the query block and the score_mod allow, else 64). The
-    dK/dV kernel scatters no captured tensor's gradient (the dQ kernel does), so a score_mod
-    with learned tensors takes it too."""
+    A program owns 64 rows per consumer warpgroup (dQ: queries, BLOCK_M2 / BLOCK_M; dK/dV:
+    keys, BLOCK_N1 / BLOCK_N; else 128 where the sparse block allows, else 64) and steps
+    through the other side (dQ: keys, BLOCK_N2 / BLOCK_N; dK/dV: queries, BLOCK_M1 / BLOCK_M;
+    else GLUON_DQ_BLOCK_N's / GLUON_DKDV_BLOCK_M's where the sparse block and the score_mod
+    allow, else 64). Neither kernel scatters a captured tensor's gradient: a dQ spec that
+    scatters one keeps the tl kernel."""
     opts, info = plan.options, plan.mask_info
+    dq = spec.part == "dq"
+    kernel = "dQ" if dq else "dK/dV"
     why = gluon_unavailable(query, plan.D, plan.Dv)
     if why is None and not _tma_shapes_ok(query, key, value):
         why = "query / key / value layouts TMA cannot step through (make them contiguous)"
-    sparse_q, sparse_kv = info.block_size if info is not None else (128, 128)
-    chosen = opts.tiles("dkdv")
-    block_m = GLUON_DKDV_BLOCK_M.get(plan.D, 64)
-    score = getattr(dkdv, "score", None)
-    if score is not None and (score.free is None or {"q_idx", "kv_idx"} <= set(score.free)):
-        block_m = 64
-    block_m = chosen.get("BLOCK_M", block_m if sparse_q % block_m == 0 else 64)
-    block_n = chosen.get("BLOCK_N", 128 if sparse_kv % 128 == 0 else 64)
-    if why is None and (block_m not in (64, 128) or sparse_q % block_m):
-        why = (f"BLOCK_M1 {block_m} with Q_BLOCK {sparse_q} (the Gluon dK/dV kernel takes 64 or 128 "
-               "query rows dividing it)")
-    if why is None and (block_n not in (64, 128) or sparse_kv % block_n):
-        why = (f"BLOCK_N1 {block_n} with KV_BLOCK {sparse_kv} (the Gluon dK/dV kernel takes 64 or 128 "
-               "keys dividing it, 64 per warpgroup)")
+    if why is None and spec.scatters:
+        why = "a score_mod whose captured tensors want gradients (the tl dQ kernel scatters them)"
+    sparse = dict(zip(("BLOCK_M", "BLOCK_N"), info.block_size if info is not None else (128, 128)))
+    chosen = opts.tiles(spec.part)
+    own, step = ("BLOCK_M", "BLOCK_N") if dq else ("BLOCK_N", "BLOCK_M")
+    tiles = {own: chosen.get(own, 128 if sparse[own] % 128 == 0 else 64)}
+    steps = (GLUON_DQ_BLOCK_N if dq else GLUON_DKDV_BLOCK_M).get(plan.D, 64)
+    if spec.score is not None and (spec.score.free is None or {"q_idx", "kv_idx"} <= set(spec.score.free)):
+        steps = 64
+    tiles[step] = chosen.get(step, steps if sparse[step] % steps == 0 else 64)
+    for name in ("BLOCK_M", "BLOCK_N"):
+        if why is None and (tiles[name] not in (64, 128) or sparse[name] % tiles[name]):
+            what, block = ("query rows", "Q_BLOCK") if name == "BLOCK_M" else ("keys", "KV_BLOCK")
+            why = (f"{name}{'2' if dq else '1'} {tiles[name]} with {block} {sparse[name]} (the Gluon {kernel} "
+                   f"kernel takes 64 or 128 {what} dividing it)")
     if why is not None:
         return None, why
-    # Q / dO ring depth: what fits beside K and V in shared memory (D=128: K, V 64 KB, a
-    # slot 32 KB at BLOCK_M 64 and 64 KB at 128).
-    stages = opts.num_stages or (2 if plan.D == 128 and block_m == 128 else 3)
-    return dataclasses.replace(dkdv, template="backward_gluon", block_m=block_m, block_n=block_n,
-                               num_warps=4, num_stages=stages, use_tma=True), None
+    # The ring's depth: what fits in shared memory beside the tiles a program keeps (D=128:
+    # 64 KB; a slot of 64 streamed rows 32 KB, of 128 rows 64 KB).
+    stages = opts.num_stages or (2 if plan.D == 128 and tiles[step] == 128 else 3)
+    return dataclasses.replace(spec, template="backward_gluon", block_m=tiles["BLOCK_M"],
+                               block_n=tiles["BLOCK_N"], num_warps=4, num_stages=stages, use_tma=True), None
 
 
 # ---------------------------------------------------------------------------------- varlen attention
