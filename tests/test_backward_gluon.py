@@ -57,7 +57,7 @@ def test_backend_gluon_plans_the_gluon_backward_kernels(as_if_hopper):
     assert bw.gluon_dq.template == "backward_gluon" and bw.gluon_dq.part == "dq"
     assert bw.dkdv.template == "backward" and bw.dq.template == "backward"
     assert (bw.gluon_dkdv.block_m, bw.gluon_dkdv.block_n) == (128, 128)
-    assert (bw.gluon_dq.block_m, bw.gluon_dq.block_n) == (128, 64)       # (64 keys at head dim 64)
+    assert (bw.gluon_dq.block_m, bw.gluon_dq.block_n) == (128, 128)
     assert "CONSUMERS = gl.constexpr(2)" in cache.source(bw.gluon_dq)
     _, tl_bw = backward_plan(q, k, v, options={"BACKEND": "tl"})
     assert tl_bw.gluon_dkdv is None and tl_bw.gluon_dq is None
@@ -97,18 +97,26 @@ def test_gluon_dq_tiles_follow_the_blocks_the_score_mod_and_the_options(as_if_ho
 
 @pytest.mark.parametrize("D, score, auto", [
     (64, None, True), (64, M.tanh_softcap(30.0), True), (64, "alibi", False), (128, None, False)])
-def test_auto_takes_the_gluon_dkdv_kernel_where_it_steps_128_queries(as_if_hopper, D, score, auto):
-    """AUTO: the Gluon dK/dV kernel where the H100 measured it faster (128 query rows per
-    step: head dim 64, a score_mod not computing a tile of both positions), for calls of at
-    least GLUON_BACKWARD_MIN_SCORES scores; the tl kernel elsewhere."""
+def test_auto_takes_the_gluon_backward_kernels_where_they_are_ahead(as_if_hopper, D, score, auto):
+    """AUTO, for calls of at least GLUON_BACKWARD_MIN_SCORES scores, takes the kernels where the
+    H100 measured them faster: the Gluon dK/dV kernel where it steps 128 query rows (head dim
+    64, a score_mod not computing a tile of both positions), the Gluon dQ kernel at head dim
+    128 and under a block mask at 64; the tl kernels elsewhere."""
     q, k, v = make_qkv(B=1, H=64, L=4096, D=D, dtype=torch.bfloat16)
-    score = alibi_bias(64) if score == "alibi" else score
+    alibi = score == "alibi"
+    score = alibi_bias(64) if alibi else score
     _, bw = backward_plan(q, k, v, score, options=None)
     assert (bw.gluon_dkdv is not None) == auto
     if auto:
         assert bw.gluon_dkdv.block_m == 128
-    # (the Gluon dQ kernel: at head dim 128, for every mod at this size)
+    # (the Gluon dQ kernel: at head dim 128 for every mod at this size; at 64 under a block mask
+    # only, stepping 128 keys)
     assert (bw.gluon_dq is not None) == (D == 128)
+    if D == 64:
+        bm = create_block_mask(M.causal_mask, None, None, 4096, 4096, device="cpu")
+        assert (backward_plan(q, k, v, score, bm, options=None)[1].gluon_dq is not None) == (not alibi)
+        window = create_block_mask(M.sliding_window(1024), None, None, 4096, 4096, device="cpu")
+        assert backward_plan(q, k, v, score, window, options=None)[1].gluon_dq is None
     small = make_qkv(B=1, H=2, L=1024, D=D, dtype=torch.bfloat16)
     small_bw = backward_plan(*small, score, options=None)[1]
     assert small_bw.gluon_dkdv is None and small_bw.gluon_dq is None

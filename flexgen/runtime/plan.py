@@ -67,14 +67,18 @@ GLUON_DKDV_BLOCK_M = {64: 128, 128: 64}
 # against 11.7), even on document and sliding-window masks, and 12% slower on ALiBi at 128
 # rows; at 64 rows it ties the tl kernel (benchmarks/NOTES.md, "Gluon dK/dV").
 GLUON_BACKWARD_MIN_SCORES = 2 ** 30
-# The Gluon dQ kernel's keys per step by head dim (BLOCK_N2 sets them; 64 where the score_mod
-# computes a tile of both positions: ALiBi spills at 128). AUTO takes the kernel at the head
-# dims listed, for calls of at least GLUON_BACKWARD_MIN_SCORES scores (and BACKEND "gluon"
-# wherever it can run): the H100 measured it 1.08-1.24x the tl dQ kernel at head dim 128 (16k:
-# full 4.17 against 5.11 ms, causal 2.15 against 2.67, softcap 5.71 against 6.23) and a tie on
-# a sliding window; at head dim 64 0.89-0.96x on full, sliding-window, ALiBi and softcap rows
-# (faster under causal and document masks only: benchmarks/NOTES.md, "Gluon dQ").
-GLUON_DQ_BLOCK_N = {128: 128}
+# The Gluon dQ kernel's keys per step (BLOCK_N2 sets them; 64 where the score_mod computes a
+# tile of both positions: ALiBi spills at 128 and head dim 128). AUTO takes the kernel for calls
+# of at least GLUON_BACKWARD_MIN_SCORES scores at head dim 128, and at head dim 64 under a block
+# mask where it steps 128 keys. The H100 measured (16k, dQ kernel alone): head dim 128 full
+# 4.11 against the tl kernel's 4.98-5.13 ms, causal 2.13 against 2.67, softcap 5.47 against
+# 6.13, ALiBi 4.42 (64 keys) against 5.04; head dim 64 causal 1.38 against 1.50, document 0.56
+# against 0.74, but full 2.62 against 2.44, softcap 3.88 against 3.58, ALiBi 2.81 at 64 keys
+# against 2.71; and under a narrow band (a 1024-key sliding window: 0.54 against 0.87) the
+# whole step is bound by the host, where the Gluon launch (five descriptors) costs more than
+# the tl one: forward + backward 1.05 ms against 0.85, so AUTO keeps the tl kernel there, as
+# the forward does (GLUON_MIN_BAND_D64; benchmarks/NOTES.md, "Gluon dQ").
+GLUON_DQ_BLOCK_N = {64: 128, 128: 128}
 LARGE_SPARSE_BLOCK = 1 << 30     # torch's "no block mask" marker (_create_empty_block_mask)
 _MEMO_MAX = 512
 
@@ -517,12 +521,14 @@ def plan_backward(plan: AttentionPlan, query, key, value, grad_slots: tuple):
                 gluon = None        # (where it ties the tl kernel, AUTO keeps the tl kernel)
             # The dQ kernel: a score_mod whose captured tensors want gradients keeps the tl one
             # (it scatters them), under BACKEND "gluon" too.
-            if opts.BACKEND == "gluon" or plan.D in GLUON_DQ_BLOCK_N:
-                gluon_dq, why = gluon_backward_spec(plan, query, key, value, bw.dq)
-                if why is not None and opts.BACKEND == "gluon" and not bw.dq.scatters:
-                    raise expected("kernel_options['BACKEND']", "'gluon' only where the Gluon kernels run",
-                                   f"a backward the Gluon dQ kernel cannot run: {why}",
-                                   "use BACKEND 'AUTO' or 'tl' (the Triton-language kernels)")
+            gluon_dq, why = gluon_backward_spec(plan, query, key, value, bw.dq)
+            if why is not None and opts.BACKEND == "gluon" and not bw.dq.scatters:
+                raise expected("kernel_options['BACKEND']", "'gluon' only where the Gluon kernels run",
+                               f"a backward the Gluon dQ kernel cannot run: {why}",
+                               "use BACKEND 'AUTO' or 'tl' (the Triton-language kernels)")
+            if opts.BACKEND == "AUTO" and gluon_dq is not None and plan.D == 64 and (
+                    plan.mask_info is None or gluon_dq.block_n < 128 or _narrow_band(plan.mask, 64)):
+                gluon_dq = None     # (at head dim 64 it is ahead under a block mask, at 128 keys)
         hit = plan.backward[(grad_slots, deterministic)] = dataclasses.replace(bw, gluon_dkdv=gluon,
                                                                               gluon_dq=gluon_dq)
     return hit
