@@ -79,6 +79,7 @@ GLUON_BACKWARD_MIN_SCORES = 2 ** 30
 # the tl one: forward + backward 1.05 ms against 0.85, so AUTO keeps the tl kernel there, as
 # the forward does (GLUON_MIN_BAND_D64; benchmarks/NOTES.md, "Gluon dQ").
 GLUON_DQ_BLOCK_N = {64: 128, 128: 128}
+GLUON_DQ_AUTO = True
 LARGE_SPARSE_BLOCK = 1 << 30     # torch's "no block mask" marker (_create_empty_block_mask)
 _MEMO_MAX = 512
 
@@ -526,8 +527,9 @@ def plan_backward(plan: AttentionPlan, query, key, value, grad_slots: tuple):
                 raise expected("kernel_options['BACKEND']", "'gluon' only where the Gluon kernels run",
                                f"a backward the Gluon dQ kernel cannot run: {why}",
                                "use BACKEND 'AUTO' or 'tl' (the Triton-language kernels)")
-            if opts.BACKEND == "AUTO" and gluon_dq is not None and plan.D == 64 and (
-                    plan.mask_info is None or gluon_dq.block_n < 128 or _narrow_band(plan.mask, 64)):
+            if opts.BACKEND == "AUTO" and (not GLUON_DQ_AUTO or plan.D == 64 and (
+                    plan.mask_info is None or gluon_dq is None or gluon_dq.block_n < 128
+                    or _narrow_band(plan.mask, 64))):
                 gluon_dq = None     # (at head dim 64 it is ahead under a block mask, at 128 keys)
         hit = plan.backward[(grad_slots, deterministic)] = dataclasses.replace(bw, gluon_dkdv=gluon,
                                                                               gluon_dq=gluon_dq)
