@@ -527,10 +527,11 @@ def plan_backward(plan: AttentionPlan, query, key, value, grad_slots: tuple):
                 raise expected("kernel_options['BACKEND']", "'gluon' only where the Gluon kernels run",
                                f"a backward the Gluon dQ kernel cannot run: {why}",
                                "use BACKEND 'AUTO' or 'tl' (the Triton-language kernels)")
-            if opts.BACKEND == "AUTO" and (not GLUON_DQ_AUTO or plan.D == 64 and (
+            # AUTO at head dim 64: ahead under a block mask wider than a narrow band, at 128 keys.
+            if opts.BACKEND == "AUTO" and (not GLUON_DQ_AUTO or (plan.D == 64 and (
                     plan.mask_info is None or gluon_dq is None or gluon_dq.block_n < 128
-                    or _narrow_band(plan.mask, 64))):
-                gluon_dq = None     # (at head dim 64 it is ahead under a block mask, at 128 keys)
+                    or _narrow_band(plan.mask, 64)))):
+                gluon_dq = None
         hit = plan.backward[(grad_slots, deterministic)] = dataclasses.replace(bw, gluon_dkdv=gluon,
                                                                               gluon_dq=gluon_dq)
     return hit
