@@ -513,20 +513,10 @@ def plan_backward(plan: AttentionPlan, query, key, value, grad_slots: tuple):
         gluon = gluon_dq = None
         if opts.BACKEND == "gluon" or (opts.BACKEND == "AUTO" and not opts.sets_tiles
                                        and plan.B * plan.Hq * plan.Lq * plan.Lkv >= GLUON_BACKWARD_MIN_SCORES):
-            gluon, why = gluon_backward_spec(plan, query, key, value, bw.dkdv)
-            if why is not None and opts.BACKEND == "gluon":
-                raise expected("kernel_options['BACKEND']", "'gluon' only where the Gluon kernels run",
-                               f"a backward the Gluon dK/dV kernel cannot run: {why}",
-                               "use BACKEND 'AUTO' or 'tl' (the Triton-language kernels)")
+            gluon, _ = gluon_backward_spec(plan, query, key, value, bw.dkdv)
             if opts.BACKEND == "AUTO" and gluon is not None and gluon.block_m < 128:
                 gluon = None        # (where it ties the tl kernel, AUTO keeps the tl kernel)
-            # The dQ kernel: a score_mod whose captured tensors want gradients keeps the tl one
-            # (it scatters them), under BACKEND "gluon" too.
-            gluon_dq, why = gluon_backward_spec(plan, query, key, value, bw.dq)
-            if why is not None and opts.BACKEND == "gluon" and not bw.dq.scatters:
-                raise expected("kernel_options['BACKEND']", "'gluon' only where the Gluon kernels run",
-                               f"a backward the Gluon dQ kernel cannot run: {why}",
-                               "use BACKEND 'AUTO' or 'tl' (the Triton-language kernels)")
+            gluon_dq, _ = gluon_backward_spec(plan, query, key, value, bw.dq)
             # AUTO at head dim 64: ahead under a block mask wider than a narrow band, at 128 keys.
             if opts.BACKEND == "AUTO" and (not GLUON_DQ_AUTO or (plan.D == 64 and (
                     plan.mask_info is None or gluon_dq is None or gluon_dq.block_n < 128
@@ -546,7 +536,8 @@ def gluon_backward_spec(plan: AttentionPlan, query, key, value, spec):
     through the other side (dQ: keys, BLOCK_N2 / BLOCK_N; dK/dV: queries, BLOCK_M1 / BLOCK_M;
     else GLUON_DQ_BLOCK_N's / GLUON_DKDV_BLOCK_M's where the sparse block and the score_mod
     allow, else 64). Neither kernel scatters a captured tensor's gradient: a dQ spec that
-    scatters one keeps the tl kernel."""
+    scatters one keeps the tl kernel, under BACKEND "gluon" too; any other reason is an
+    InputError under BACKEND "gluon"."""
     opts, info = plan.options, plan.mask_info
     dq = spec.part == "dq"
     kernel = "dQ" if dq else "dK/dV"
@@ -568,6 +559,10 @@ def gluon_backward_spec(plan: AttentionPlan, query, key, value, spec):
             what, block = ("query rows", "Q_BLOCK") if name == "BLOCK_M" else ("keys", "KV_BLOCK")
             why = (f"{name}{'2' if dq else '1'} {tiles[name]} with {block} {sparse[name]} (the Gluon {kernel} "
                    f"kernel takes 64 or 128 {what} dividing it)")
+    if why is not None and opts.BACKEND == "gluon" and not spec.scatters:
+        raise expected("kernel_options['BACKEND']", "'gluon' only where the Gluon kernels run",
+                       f"a backward the Gluon {kernel} kernel cannot run: {why}",
+                       "use BACKEND 'AUTO' or 'tl' (the Triton-language kernels)")
     if why is not None:
         return None, why
     # The ring's depth: what fits in shared memory beside the tiles a program keeps (D=128:
