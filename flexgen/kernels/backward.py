@@ -149,14 +149,11 @@ def _lists(lists, B: int, H: int, block_size) -> tuple:
     return (*(t.expand(B, H, *t.shape[2:]) for t in (num, idx, full_num, full_idx)), *block_size)
 
 
-def _pick(bw: BackwardPlan, tensors, dtype) -> tuple:
-    """The (dq, dkdv) specs for one call: the plan's, or its pointer variants where the plan's
-    are TMA kernels and one of ``tensors`` (everything they address through descriptors, all
-    in ``dtype``; None for an output not computed) is not TMA-addressable."""
-    if bw.pointer is not None and not all(t is None or (t.dtype == dtype and tma_addressable(t))
-                                          for t in tensors):
-        return bw.pointer
-    return bw.dq, bw.dkdv
+def _addressable(tensors, dtype) -> bool:
+    """Whether TMA descriptors can address every one of ``tensors`` (None: an output not
+    computed), all in ``dtype``: an expanded or sliced upstream gradient, a key shared by the
+    batch, cannot."""
+    return all(t is None or (t.dtype == dtype and tma_addressable(t)) for t in tensors)
 
 
 def run_backward(bw: BackwardPlan, plan, query, key, value, out, lse, grad_out, grad_lse,
@@ -199,15 +196,19 @@ def run_backward(bw: BackwardPlan, plan, query, key, value, out, lse, grad_out, 
                     scale=plan.scale, sparse=sparse, grad_buffers=grads if dq_kernel else (),
                     **({"bias": bias} if sigmoid else {}))
 
-    dq_spec, dkdv_spec = _pick(bw, (query, key, value, out, grad_out, dq, dk, dv), query.dtype)
+    # Checked once for the TMA and the Gluon kernels alike (the Gluon ones read out by pointer).
+    addressable = (bw.pointer, bw.gluon_dq, bw.gluon_dkdv) != (None, None, None) and _addressable(
+        (query, key, value, grad_out, dq, dk, dv), query.dtype)
+    dq_spec, dkdv_spec = bw.dq, bw.dkdv
+    if bw.pointer is not None and not (addressable and _addressable((out,), query.dtype)):
+        dq_spec, dkdv_spec = bw.pointer
     run = _Launcher(plan, (query, key, value, out, grad_out, lse, dlse, delta, dq, dk, dv, *grads),
                     score_buffers, mask_buffers, block_lists, bias)
     # The dQ kernel runs first in any case: it writes delta, which the dK/dV kernel reads.
-    run.either(_gluon(bw.gluon_dq, (query, key, value, grad_out, dq), query.dtype), dq_spec,
-               functools.partial(inputs, True), bw.tune_blocks)
+    run.either(_gluon(bw.gluon_dq, addressable), dq_spec, functools.partial(inputs, True), bw.tune_blocks)
     if needs_kv:
-        run.either(_gluon(bw.gluon_dkdv, (query, key, value, grad_out, dk, dv), query.dtype), dkdv_spec,
-                   functools.partial(inputs, False), bw.tune_blocks)
+        run.either(_gluon(bw.gluon_dkdv, addressable), dkdv_spec, functools.partial(inputs, False),
+                   bw.tune_blocks)
         if shared_kv:
             dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
     return dq, dk, dv, buffer_grads(bw, grads, score_buffers)
@@ -250,13 +251,10 @@ class _Launcher:
 _GLUON_FAILED: set = set()
 
 
-def _gluon(gluon: BackwardSpec | None, tensors, dtype):
-    """``gluon`` (a plan's Gluon dQ or dK/dV spec, or None) where it compiled and every tensor
-    it reads through TMA descriptors can be (an expanded or sliced upstream gradient, a key
-    shared by the batch, cannot: the tl kernel takes those calls), else None."""
-    if gluon is None or gluon.key in _GLUON_FAILED:
-        return None
-    if not all(t.dtype == dtype and tma_addressable(t) for t in tensors):
+def _gluon(gluon: BackwardSpec | None, addressable: bool):
+    """``gluon`` (a plan's Gluon dQ or dK/dV spec, or None) where it compiled and the call's
+    tensors are TMA-addressable (else the tl kernel takes the call), else None."""
+    if gluon is None or gluon.key in _GLUON_FAILED or not addressable:
         return None
     return gluon
 
