@@ -12,7 +12,8 @@ warm up and then 30 times with CUDA events around each kernel launch and around 
 whole backward; the medians are printed per kernel (dq, dkdv) and for the whole
 call ("all": with the host work and the small ops between the kernels). ``--row KERNEL=BLOCK_M,BLOCK_N,WARPS,STAGES``
 replaces that kernel's row of the tile table (``flexgen.runtime.tuning.TUNED``) for
-this GPU's name; ``--options`` passes kernel_options to every call.
+this GPU's name; ``--options`` passes kernel_options to every call; ``--fused`` runs the
+fused Gluon backward wherever it can (one "fused" kernel in place of dq and dkdv).
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ def main(argv=None) -> int:
                     help="KERNEL=BLOCK_M,BLOCK_N,WARPS,STAGES (repeatable)")
     ap.add_argument("--label", default="flexgen")
     ap.add_argument("--options", type=json.loads, default=None, help="kernel_options as JSON")
+    ap.add_argument("--fused", action="store_true", help="the fused Gluon backward (plan.GLUON_FUSED)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("backward_kernels.py times GPU kernels: it needs a CUDA device", file=sys.stderr)
@@ -73,6 +75,9 @@ def main(argv=None) -> int:
     # flexgen.runtime.launch.run launches every kernel (the forward's too, timed under "forward"):
     # only the two backward parts are printed. No replays (they skip launch.run, not the GPU work).
     backward.launch.run = timed
+    if args.fused:
+        from flexgen.runtime import plan
+        plan.GLUON_FUSED = True
     backward.remember = lambda *args: None
     for case in args.cases.split(","):
         D, variant, L = case.split(":")
@@ -99,7 +104,7 @@ def main(argv=None) -> int:
             events.setdefault("all", []).append((start, end))
         torch.cuda.synchronize()
         ms = {part: statistics.median(s.elapsed_time(e) for s, e in pairs) for part, pairs in events.items()}
-        parts = "  ".join(f"{p} {ms[p]:7.3f}" for p in ("dq", "dkdv", "all") if p in ms)
+        parts = "  ".join(f"{p} {ms[p]:7.3f}" for p in ("dq", "dkdv", "fused", "all") if p in ms)
         print(f"[{args.label}] D={D} {variant:15s} L={L:6d} {parts} ms", flush=True)
         del out
     return 0

@@ -148,19 +148,25 @@ def kernel_source(query, key, value, score_mod=None, block_mask=None, scale=None
 
     ``part`` picks the kernel: "forward" (the forward kernel, or the decode kernel for a
     few queries), or one of the backward pass's "dq" and "dkdv" (the latter two scatter
-    gradients into the score_mod's captured tensors that require grad). Nothing is
+    gradients into the score_mod's captured tensors that require grad), or "fused" (the
+    Gluon kernel computing all three gradients, where the plan takes it). Nothing is
     launched; the source is what the disk cache holds for the kernel, with the tile
     table's tiles (a winner that ``flexgen.autotune`` stored for a size bucket may use others).
     """
     from .runtime.plan import plan_backward
     from .kernels.backward import grad_slots
-    if part not in ("forward", "dq", "dkdv"):
-        raise expected("part", '"forward", "dq" or "dkdv"', repr(part), "pick one of the three kernels")
+    if part not in ("forward", "dq", "dkdv", "fused"):
+        raise expected("part", '"forward", "dq", "dkdv" or "fused"', repr(part), "pick one of the four kernels")
     call = plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options)
     if part == "forward":
         return source(call.spec if call.kernel == "forward" else call.decode.spec)
     score_buffers = () if score_mod is None else trace_cached(score_mod, "score_mod").buffers
     bw = plan_backward(call, query, key, value, grad_slots(score_buffers))
+    if part == "fused":
+        if bw.gluon_fused is None:
+            raise expected("part", '"fused" for a call whose backward the fused Gluon kernel runs',
+                           "a call it does not run", 'ask for "dq" and "dkdv"')
+        return source(bw.gluon_fused)
     return source(bw.gluon_dq or bw.dq if part == "dq" else bw.gluon_dkdv or bw.dkdv)
 
 
@@ -463,8 +469,8 @@ def sigmoid_kernel_source(query, key, value, score_mod=None, block_mask=None, sc
     "dkdv" (the backward's two kernels). Nothing is launched."""
     from .runtime.plan import plan_sigmoid, plan_sigmoid_backward
     from .kernels.backward import grad_slots
-    if part not in ("forward", "dq", "dkdv"):
-        raise expected("part", '"forward", "dq" or "dkdv"', repr(part), "pick one of the three kernels")
+    if part not in ("forward", "dq", "dkdv", "fused"):
+        raise expected("part", '"forward", "dq", "dkdv" or "fused"', repr(part), "pick one of the four kernels")
     _tensors(query=query, key=key, value=value)
     score_mod, score_buffers, mask_mod, mask_buffers, lists, block_size, lengths = _mods(
         score_mod, block_mask)
@@ -475,6 +481,11 @@ def sigmoid_kernel_source(query, key, value, score_mod=None, block_mask=None, sc
     if part == "forward":
         return source(plan.spec if plan.kernel == "forward" else plan.decode.spec)
     bw = plan_sigmoid_backward(*args, grad_slots(score_buffers))
+    if part == "fused":
+        if bw.gluon_fused is None:
+            raise expected("part", '"fused" for a call whose backward the fused Gluon kernel runs',
+                           "a call it does not run", 'ask for "dq" and "dkdv"')
+        return source(bw.gluon_fused)
     return source(bw.gluon_dq or bw.dq if part == "dq" else bw.gluon_dkdv or bw.dkdv)
 
 

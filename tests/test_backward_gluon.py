@@ -41,6 +41,12 @@ from test_forward_gluon import (GLUON, alibi_bias, as_if_hopper, doc_mask, needs
                                 relative_bias)
 
 
+@pytest.fixture(autouse=True)
+def two_kernels(monkeypatch):
+    """The two-kernel Gluon backward unless a test asks for the fused one (fused_backward)."""
+    monkeypatch.setattr(plan_module, "GLUON_FUSED", False)
+
+
 def backward_plan(q, k, v, score=None, bm=None, options=GLUON):
     call = flexgen.api.plan(q, k, v, score_mod=score, block_mask=bm, enable_gqa=True,
                             kernel_options=options)
@@ -208,16 +214,18 @@ def case_inputs(name, device="cpu"):
 
 
 @pytest.mark.skipif(not conftest.AOT_ENABLED, reason="FLEXGEN_TEST_AOT=0")
-@pytest.mark.parametrize("part", ["dq", "dkdv"])
+@pytest.mark.parametrize("part", ["dq", "dkdv", "fused"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_gluon_backward_compiles_for_sm90(as_if_hopper, name, part):
-    """Each variant of both kernels compiles to a cubin for sm_90 with the installed Triton,
-    with the argument types of a real launch (Gluon TMA descriptors, the lists, captured
-    tensors); a score_mod whose captured tensors want gradients has no Gluon dQ kernel."""
+def test_gluon_backward_compiles_for_sm90(as_if_hopper, monkeypatch, name, part):
+    """Each variant of the three kernels compiles to a cubin for sm_90 with the installed
+    Triton, with the argument types of a real launch (Gluon TMA descriptors, the lists,
+    captured tensors); a score_mod whose captured tensors want gradients has no Gluon dQ
+    kernel and no fused one, nor have 128 query rows at head dim 128 a fused one."""
+    monkeypatch.setattr(plan_module, "GLUON_FUSED", part == "fused")
     q, k, v, score, bm, options = case_inputs(name)
     call, bw = backward_plan(q, k, v, score, bm, options)
-    spec = bw.gluon_dq if part == "dq" else bw.gluon_dkdv
-    if part == "dq" and bw.dq.scatters:
+    spec = {"dq": bw.gluon_dq, "dkdv": bw.gluon_dkdv, "fused": bw.gluon_fused}[part]
+    if (part != "dkdv" and bw.dq.scatters) or (part == "fused" and name == "causal_d128_m128"):
         assert spec is None
         return
     assert spec.template == "backward_gluon" and spec.part == part
@@ -231,8 +239,12 @@ def test_gluon_backward_compiles_for_sm90(as_if_hopper, name, part):
     mask_buffers = () if bm is None else trace_cached(bm.mask_mod, "mask_mod").buffers
     grid, args, constexprs = module.arguments(
         q=q, k=k, v=v, out=torch.empty_like(q), dout=torch.empty_like(q), lse=lse, dlse=None, delta=lse,
-        dq=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(v), sparse=sparse,
-        score_buffers=score_buffers, mask_buffers=mask_buffers, grad_buffers=(), scale=0.125)
+        # (the fused kernel's dQ: the float32 sum its reduce-adds go to)
+        dq=torch.empty(q.shape) if part == "fused" else torch.empty_like(q), dk=torch.empty_like(k),
+        dv=torch.empty_like(v), sparse=sparse, score_buffers=score_buffers, mask_buffers=mask_buffers,
+        grad_buffers=(), scale=0.125)
+    if part == "fused":
+        assert "cp.reduce.async.bulk.tensor" in aot.compile_launch(spec, args, constexprs).asm["ptx"]
     if part == "dq":
         assert grid == (-(-Lq // spec.block_m), B * H)
     else:
@@ -242,6 +254,28 @@ def test_gluon_backward_compiles_for_sm90(as_if_hopper, name, part):
     # Hopper's asynchronous matrix instructions and TMA copies, not a fallback.
     ptx = compiled.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_auto_fuses_where_the_score_mods_derivative_varies(as_if_hopper, monkeypatch, D):
+    """AUTO (GLUON_FUSED None) takes the fused kernel for soft-capping (its derivative is not a
+    constant), not for plain, ALiBi (a tile of both positions) or masked-only calls, nor where
+    the backward must be deterministic or a captured tensor wants a gradient."""
+    monkeypatch.setattr(plan_module, "GLUON_FUSED", None)
+    q, k, v = make_qkv(B=1, H=64, L=4096, D=D, dtype=torch.bfloat16)
+    bm = create_block_mask(M.causal_mask, None, None, 4096, 4096, device="cpu")
+    fused = backward_plan(q, k, v, M.tanh_softcap(30.0), bm, options=None)[1].gluon_fused
+    assert fused.part == "fused" and fused.block_m == 64 and fused.num_stages == (2 if D == 128 else 3)
+    for score in (None, alibi_bias(64)):
+        assert backward_plan(q, k, v, score, bm, options=None)[1].gluon_fused is None
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert backward_plan(q, k, v, M.tanh_softcap(30.0), bm, options=None)[1].gluon_fused is None
+    finally:
+        torch.use_deterministic_algorithms(False)
+    small = make_qkv(B=1, H=2, L=1024, D=D, dtype=torch.bfloat16)
+    assert backward_plan(*small, M.tanh_softcap(30.0), options=None)[1].gluon_fused is None
+    assert backward_plan(*small, M.tanh_softcap(30.0), options={"BACKEND": "tl"})[1].gluon_fused is None
 
 
 # ------------------------------------------------------------------------- on the GPU
@@ -255,10 +289,11 @@ def _check(name, got, want, tol):
     assert err <= tol * max(ref, 1.0), f"{name}: max error {err:.3g}, largest gradient {ref:.3g}"
 
 
-def check_gradients(q, k, v, score=None, bm=None, options=GLUON, learned=(), tol=3e-2):
+def check_gradients(q, k, v, score=None, bm=None, options=GLUON, learned=(), tol=3e-2, fused=False):
     """One training step through flex_attention (the Gluon dK/dV and dQ kernels; the tl dQ
-    kernel where a captured tensor wants a gradient) against autograd through the float64
-    oracle from float32 copies of the same inputs; the Gluon kernels must have run."""
+    kernel where a captured tensor wants a gradient; ``fused``: the fused kernel) against
+    autograd through the float64 oracle from float32 copies of the same inputs; the Gluon
+    kernels must have run."""
     leaves = [t.detach().requires_grad_() for t in (q, k, v)] + list(learned)
     with aot.recording() as launches:
         out = flex_attention(*leaves[:3], score_mod=score, block_mask=bm, enable_gqa=True,
@@ -267,7 +302,7 @@ def check_gradients(q, k, v, score=None, bm=None, options=GLUON, learned=(), tol
         got = torch.autograd.grad(out, leaves, dout)
     gluon_parts = [s.part for s, _, _ in launches if s.template == "backward_gluon"]
     scatters = any(s.template == "backward" and s.part == "dq" and s.scatters for s, _, _ in launches)
-    assert sorted(gluon_parts) == (["dkdv"] if scatters else ["dkdv", "dq"])
+    assert sorted(gluon_parts) == (["fused"] if fused else ["dkdv"] if scatters else ["dkdv", "dq"])
     ref_leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
     ref = flex_attention_reference(*ref_leaves, score_mod=score, mask_mod=bm, enable_gqa=True,
                                    dtype=torch.float64)
@@ -320,10 +355,13 @@ def test_gluon_dead_rows_get_zero_gradients(D):
 
 
 @needs_hopper
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("D", [64, 128])
-def test_gluon_lse_gradient(D):
+def test_gluon_lse_gradient(monkeypatch, D, fused):
     """A loss that reads the LSE too: its gradient enters delta, which the Gluon dQ kernel
-    writes (and the dK/dV kernel reads)."""
+    writes (and the dK/dV kernel reads), or torch before the fused kernel."""
+    monkeypatch.setattr(plan_module, "GLUON_FUSED", fused)
+    plan_module.clear_memos()
     q, k, v = make_qkv(B=1, H=4, Hkv=2, L=777, D=D, dtype=torch.bfloat16, device="cuda")
     bm = create_block_mask(M.causal_mask, None, None, 777, 777, device="cuda")
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -332,7 +370,8 @@ def test_gluon_lse_gradient(D):
                                   kernel_options=GLUON)
         dout, dlse = torch.randn_like(out), torch.randn_like(lse)
         got = torch.autograd.grad([out, lse], leaves, [dout, dlse])
-    assert sorted(s.part for s, _, _ in launches if s.template == "backward_gluon") == ["dkdv", "dq"]
+    assert sorted(s.part for s, _, _ in launches if s.template == "backward_gluon") == (
+        ["fused"] if fused else ["dkdv", "dq"])
     ref_leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
     ref, ref_lse = flex_attention_reference(*ref_leaves, mask_mod=bm, enable_gqa=True, return_lse=True,
                                             dtype=torch.float64)
@@ -380,3 +419,52 @@ def test_an_expanded_upstream_gradient_takes_the_tl_kernel():
         flex_attention(q, k, v, kernel_options=GLUON).sum().backward()
     templates = [s.template for s, _, _ in launches]
     assert "backward_gluon" not in templates and templates.count("backward") == 2
+
+
+# ------------------------------------------------------------------------- the fused kernel
+
+@pytest.fixture
+def fused_backward(monkeypatch):
+    """Plan the fused Gluon backward (plan.GLUON_FUSED)."""
+    monkeypatch.setattr(plan_module, "GLUON_FUSED", True)
+    plan_module.clear_memos()
+    yield
+    plan_module.clear_memos()
+
+
+@needs_hopper
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_fused_cases_match_the_oracle(fused_backward, name):
+    """The fused kernel on every case (a learned captured tensor, and 128 query rows at head
+    dim 128, keep the two kernels)."""
+    q, k, v, score, bm, options = case_inputs(name, device="cuda")
+    check_gradients(q, k, v, score, bm, options, fused=name not in ("learned_bias_causal_d64_m128",
+                                                                    "causal_d128_m128"))
+
+
+@needs_hopper
+@pytest.mark.parametrize("mods", ["none", "causal", "softcap", "alibi"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_grid_matches_the_oracle(fused_backward, mods, D, dtype):
+    B, H, Hkv, L = (1, 4, 2, 1000) if dtype == torch.bfloat16 else (2, 2, 1, 517)
+    q, k, v = make_qkv(B=B, H=H, Hkv=Hkv, L=L, D=D, dtype=dtype, device="cuda")
+    score = {"softcap": M.tanh_softcap(20.0), "alibi": alibi_bias(H, "cuda")}.get(mods)
+    bm = create_block_mask(M.causal_mask, None, None, L, L, device="cuda") \
+        if mods in ("causal", "alibi") else None
+    check_gradients(q, k, v, score, bm, fused=True)
+
+
+@needs_hopper
+@pytest.mark.parametrize("D", [64, 128])
+def test_fused_dead_rows_and_long_odd_length(fused_backward, D):
+    q, k, v = make_qkv(B=1, H=2, L=400, D=D, dtype=torch.bfloat16, device="cuda")
+
+    def late(b, h, q_idx, kv_idx):
+        return (q_idx >= 150) & (kv_idx <= q_idx)
+    bm = create_block_mask(late, None, None, 400, 400, device="cuda")
+    dq, dk, dv = check_gradients(q, k, v, bm=bm, fused=True)
+    assert (dq[:, :, :150] == 0).all()
+    q, k, v = make_qkv(B=1, H=2, Hkv=1, L=4097, D=D, dtype=torch.bfloat16, device="cuda")
+    bm = create_block_mask(M.causal_mask, None, None, 4097, 4097, device="cuda")
+    check_gradients(q, k, v, bm=bm, fused=True)

@@ -85,7 +85,7 @@ def attention(part, score_mod=None, mask_mod=None, options=None, det=False, Lq=L
 
 
 def gluon_backward(part, score_mod=None, mask_mod=None, D=64, block=None):
-    """A Gluon backward kernel (sm_90; ``part`` "dq" or "dkdv"), planned as on a Hopper GPU and
+    """A Gluon backward kernel (sm_90; ``part`` "dq", "dkdv" or "fused"), planned as on a Hopper GPU and
     rendered on CPU."""
     def render():
         from flexgen.runtime import plan as plan_module
@@ -173,6 +173,9 @@ CASES = {
         "dq", M.tanh_softcap(30.0), M.causal_mask, D=128)),
     "dq_gluon_alibi_document": ("backward_gluon", "delta_r = gl.sum(", gluon_backward(
         "dq", M.alibi(slopes=M.alibi_slopes(4)), M.document_mask(DOC))),
+    # backward: the fused Gluon kernel (dK, dV, and dQ by TMA reduce-adds)
+    "fused_gluon_softcap_causal_d128": ("backward_gluon", "_tma_atomic_add(DQ", gluon_backward(
+        "fused", M.tanh_softcap(30.0), M.causal_mask, D=128)),
     # decode (a few queries)
     "decode_softcap_document": ("decode", "VISIT_IDX", attention("forward", M.tanh_softcap(30.0),
                                                                  M.document_mask(DOC), Lq=1)),

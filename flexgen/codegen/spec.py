@@ -37,9 +37,11 @@ from .snippet import Snippet
 # mask's eight lists from its flags in one launch, on a GPU. Every template's next version
 # (forward 10, forward_gluon 6, ...): the exact _tanh of the common helpers takes its series
 # below |x| = 1/4, where 1 - exp(-2|x|) cancelled. backward_gluon 5: a query tile's LSE and
-# delta rows loaded one element per thread, where they spilled in the score tile's layout.)
+# delta rows loaded one element per thread, where they spilled in the score tile's layout.
+# forward_gluon 7, backward_gluon 6: the Gluon descriptor helper takes a column count and
+# float32 (the fused backward's dQ sum).)
 SIGMOID_REVISION = 4
-TEMPLATE_VERSIONS = {"forward": 10, "forward_gluon": 6, "backward_gluon": 5, "block_mask": 5,
+TEMPLATE_VERSIONS = {"forward": 10, "forward_gluon": 7, "backward_gluon": 6, "block_mask": 5,
                      "block_lists": 2, "decode": 4, "decode_merge": 2, "paged_write": 3,
                      "backward": 10, "linear": 5, "linear_decode": 2}
 

@@ -36,6 +36,11 @@ streaming tiles through an mbarrier ring to consumer warpgroups that own 64 keys
 or 64 queries (dQ) each (async wgmma). BACKEND "gluon" takes them (an InputError where
 they cannot run); a call whose tensors TMA cannot address runs the tl kernels. Neither
 scatters: a score_mod whose captured tensors want gradients keeps the tl dQ kernel.
+
+The Gluon dK/dV kernel also has a fused form (part "fused", ``plan.GLUON_FUSED``): it adds
+each tile's dS K into a float32 dQ through TMA reduce-adds, so S, dP and the mods are
+computed once per tile pair. delta then comes first, from torch; the float32 sum is
+rounded into dQ after. Its adds come in any order, so a deterministic backward never takes it.
 """
 from __future__ import annotations
 
@@ -97,6 +102,8 @@ class BackwardPlan:
     # tensor TMA cannot address (or a Gluon kernel does not compile) comes to them.
     gluon_dkdv: BackwardSpec | None = None
     gluon_dq: BackwardSpec | None = None
+    # The fused Gluon kernel (dK, dV and dQ's atomic float32 sum), where the plan takes it.
+    gluon_fused: BackwardSpec | None = None
 
 
 def _tiles(t: dict) -> dict:
@@ -202,6 +209,25 @@ def run_backward(bw: BackwardPlan, plan, query, key, value, out, lse, grad_out, 
     dq_spec, dkdv_spec = bw.dq, bw.dkdv
     if bw.pointer is not None and not (addressable and _addressable((out,), query.dtype)):
         dq_spec, dkdv_spec = bw.pointer
+    fused = _gluon(bw.gluon_fused, addressable and needs_kv and _addressable((out,), query.dtype))
+    if fused is not None:
+        # delta first (the fused kernel reads it), then dK, dV and dQ in one kernel; dQ summed
+        # in float32 by TMA reduce-adds across the kv tiles, rounded after.
+        torch.sum(grad_out.float().mul_(out), -1, out=delta)
+        if dlse is not None:
+            delta.sub_(dlse)
+        dq_sum = torch.zeros(query.shape, dtype=torch.float32, device=device)
+        run = _Launcher(plan, (query, key, value, out, grad_out, lse, dlse, delta, dq_sum, dk, dv),
+                        score_buffers, mask_buffers, block_lists, bias)
+        try:
+            run(fused, lambda: dict(inputs(False), dq=dq_sum))
+        except CompilationError as err:
+            _gluon_failed(plan, fused, err)
+        else:
+            dq.copy_(dq_sum)
+            if shared_kv:
+                dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
+            return dq, dk, dv, buffer_grads(bw, grads, score_buffers)
     run = _Launcher(plan, (query, key, value, out, grad_out, lse, dlse, delta, dq, dk, dv, *grads),
                     score_buffers, mask_buffers, block_lists, bias)
     # The dQ kernel runs first in any case: it writes delta, which the dK/dV kernel reads.

@@ -87,8 +87,10 @@ class KernelOptions:
         return found
 
     def tiles(self, part: str = "") -> dict:
-        """The tile fields the caller set, for a kernel ("" forward / decode, "dq", "dkdv")."""
-        m, n = {"dkdv": ("BLOCK_M1", "BLOCK_N1"), "dq": ("BLOCK_M2", "BLOCK_N2")}.get(part, (None, None))
+        """The tile fields the caller set, for a kernel ("" forward / decode, "dq", "dkdv" or
+        "fused": the dK/dV kernel that also sums dQ)."""
+        m, n = {"dkdv": ("BLOCK_M1", "BLOCK_N1"), "fused": ("BLOCK_M1", "BLOCK_N1"),
+                "dq": ("BLOCK_M2", "BLOCK_N2")}.get(part, (None, None))
         chosen = {"BLOCK_M": (m and getattr(self, m)) or self.BLOCK_M,
                   "BLOCK_N": (n and getattr(self, n)) or self.BLOCK_N,
                   "num_warps": self.num_warps, "num_stages": self.num_stages}

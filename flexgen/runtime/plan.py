@@ -80,6 +80,22 @@ GLUON_BACKWARD_MIN_SCORES = 2 ** 30
 # the forward does (GLUON_MIN_BAND_D64; benchmarks/NOTES.md, "Gluon dQ").
 GLUON_DQ_BLOCK_N = {64: 128, 128: 128}
 GLUON_DQ_AUTO = True
+# The fused Gluon backward (part "fused": the dK/dV kernel also adds dS K into a float32 dQ
+# through TMA reduce-adds, so S, dP and the mods are computed once per tile pair: five
+# products where the two kernels take seven, and one recomputed tile where they take two).
+# It can run where the Gluon dK/dV kernel can, no captured tensor wants a gradient (it
+# scatters none) and the backward need not be deterministic (the adds come in any order).
+# AUTO (GLUON_FUSED None) takes it where the score_mod's derivative is not a constant
+# (soft-capping: the mod and its derivative are the costly part of a recomputed tile) and
+# the mod reads no tile of both positions (ALiBi-like mods spill in it). The H100 measured
+# (16k, whole backward): softcap 13.1 against 14.4 ms at head dim 128, 8.25 against 9.47 at
+# 64; but full 12.6 against 11.9, causal 6.46 against 6.04, document and head dim 64 slower
+# too: its extra product and the reduce-adds of dQ cost more than the dQ kernel's
+# recomputation of S and dP saves (benchmarks/NOTES.md, "Fused backward"). True: wherever it
+# can run; False: never.
+GLUON_FUSED = None
+# Its query rows per step (BLOCK_M1 sets them): dQ's chunks beside dK and dV spill at 128.
+GLUON_FUSED_BLOCK_M = {64: 64, 128: 64}
 LARGE_SPARSE_BLOCK = 1 << 30     # torch's "no block mask" marker (_create_empty_block_mask)
 _MEMO_MAX = 512
 
@@ -522,9 +538,22 @@ def plan_backward(plan: AttentionPlan, query, key, value, grad_slots: tuple):
                     plan.mask_info is None or gluon_dq is None or gluon_dq.block_n < 128
                     or _narrow_band(plan.mask, 64)))):
                 gluon_dq = None
+        fused = None
+        if (opts.BACKEND == "gluon" or gluon is not None or gluon_dq is not None) and _fuses(bw, deterministic):
+            fused, _ = gluon_backward_spec(plan, query, key, value, dataclasses.replace(bw.dkdv, part="fused"))
         hit = plan.backward[(grad_slots, deterministic)] = dataclasses.replace(bw, gluon_dkdv=gluon,
-                                                                              gluon_dq=gluon_dq)
+                                                                              gluon_dq=gluon_dq,
+                                                                              gluon_fused=fused)
     return hit
+
+
+def _fuses(bw, deterministic: bool) -> bool:
+    """Whether the fused Gluon backward may take this backward (GLUON_FUSED)."""
+    if GLUON_FUSED is False or deterministic or bw.dq.scatters:
+        return False
+    score = bw.dkdv.score
+    return GLUON_FUSED or (score is not None and not bw.dkdv.score_grad_const and not (
+        score.free is None or {"q_idx", "kv_idx"} <= set(score.free)))
 
 
 def gluon_backward_spec(plan: AttentionPlan, query, key, value, spec):
@@ -550,7 +579,8 @@ def gluon_backward_spec(plan: AttentionPlan, query, key, value, spec):
     chosen = opts.tiles(spec.part)
     own, step = ("BLOCK_M", "BLOCK_N") if dq else ("BLOCK_N", "BLOCK_M")
     tiles = {own: chosen.get(own, 128 if sparse[own] % 128 == 0 else 64)}
-    steps = (GLUON_DQ_BLOCK_N if dq else GLUON_DKDV_BLOCK_M).get(plan.D, 64)
+    steps = {"dq": GLUON_DQ_BLOCK_N, "dkdv": GLUON_DKDV_BLOCK_M,
+             "fused": GLUON_FUSED_BLOCK_M}[spec.part].get(plan.D, 64)
     if spec.score is not None and (spec.score.free is None or {"q_idx", "kv_idx"} <= set(spec.score.free)):
         steps = 64
     tiles[step] = chosen.get(step, steps if sparse[step] % steps == 0 else 64)
@@ -559,7 +589,11 @@ def gluon_backward_spec(plan: AttentionPlan, query, key, value, spec):
             what, block = ("query rows", "Q_BLOCK") if name == "BLOCK_M" else ("keys", "KV_BLOCK")
             why = (f"{name}{'2' if dq else '1'} {tiles[name]} with {block} {sparse[name]} (the Gluon {kernel} "
                    f"kernel takes 64 or 128 {what} dividing it)")
-    if why is not None and opts.BACKEND == "gluon" and not spec.scatters:
+    if why is None and spec.part == "fused" and tiles["BLOCK_M"] * plan.D > 64 * 128:
+        why = (f"BLOCK_M1 {tiles['BLOCK_M']} at head dim {plan.D} (the fused kernel's shared memory "
+               "holds 64 query rows at head dim 128)")
+    # (The fused kernel is optional: where it cannot run, the two kernels do.)
+    if why is not None and opts.BACKEND == "gluon" and not spec.scatters and spec.part != "fused":
         raise expected("kernel_options['BACKEND']", "'gluon' only where the Gluon kernels run",
                        f"a backward the Gluon {kernel} kernel cannot run: {why}",
                        "use BACKEND 'AUTO' or 'tl' (the Triton-language kernels)")
@@ -567,7 +601,7 @@ def gluon_backward_spec(plan: AttentionPlan, query, key, value, spec):
         return None, why
     # The ring's depth: what fits in shared memory beside the tiles a program keeps (D=128:
     # 64 KB; a slot of 64 streamed rows 32 KB, of 128 rows 64 KB).
-    stages = opts.num_stages or (2 if plan.D == 128 and tiles[step] == 128 else 3)
+    stages = opts.num_stages or (2 if plan.D == 128 and (tiles[step] == 128 or spec.part == "fused") else 3)
     return dataclasses.replace(spec, template="backward_gluon", block_m=tiles["BLOCK_M"],
                                block_n=tiles["BLOCK_N"], num_warps=4, num_stages=stages, use_tma=True), None
 
