@@ -556,6 +556,17 @@ def _fuses(bw, deterministic: bool) -> bool:
         score.free is None or {"q_idx", "kv_idx"} <= set(score.free)))
 
 
+# An sm_90 program's shared memory, less what the compiler reserves (barriers, scratch).
+GLUON_SHARED_BYTES = 224 * 1024
+
+
+def _fused_shared_bytes(tiles: dict, stages: int, D: int) -> int:
+    """The fused kernel's shared memory (16-bit tiles): K and V, the Q / dO ring, dSᵀ, and
+    two float32 dQ stages per consumer warpgroup of min(D, 4096 / BLOCK_M) columns."""
+    m, n = tiles["BLOCK_M"], tiles["BLOCK_N"]
+    return 2 * (2 * n * D + 2 * stages * m * D + n * m) + 4 * 2 * (n // 64) * m * min(D, 4096 // m)
+
+
 def gluon_backward_spec(plan: AttentionPlan, query, key, value, spec):
     """(the Gluon kernel of a backward part, None) or (None, why it cannot run this call), from
     the tl spec of that part (``dq`` or ``dkdv``: the same mods, derivatives and head dims).
@@ -589,9 +600,13 @@ def gluon_backward_spec(plan: AttentionPlan, query, key, value, spec):
             what, block = ("query rows", "Q_BLOCK") if name == "BLOCK_M" else ("keys", "KV_BLOCK")
             why = (f"{name}{'2' if dq else '1'} {tiles[name]} with {block} {sparse[name]} (the Gluon {kernel} "
                    f"kernel takes 64 or 128 {what} dividing it)")
-    if why is None and spec.part == "fused" and tiles["BLOCK_M"] * plan.D > 64 * 128:
-        why = (f"BLOCK_M1 {tiles['BLOCK_M']} at head dim {plan.D} (the fused kernel's shared memory "
-               "holds 64 query rows at head dim 128)")
+    # The ring's depth: what fits in shared memory beside the tiles a program keeps (D=128:
+    # 64 KB; a slot of 64 streamed rows 32 KB, of 128 rows 64 KB; the fused kernel's dSᵀ and
+    # dQ stages take 48 KB more).
+    stages = opts.num_stages or (2 if plan.D == 128 and (tiles[step] == 128 or spec.part == "fused") else 3)
+    if why is None and spec.part == "fused" and _fused_shared_bytes(tiles, stages, plan.D) > GLUON_SHARED_BYTES:
+        why = (f"BLOCK_M1 {tiles['BLOCK_M']} and {stages} stages at head dim {plan.D} (more shared memory than "
+               "the fused kernel has)")
     # (The fused kernel is optional: where it cannot run, the two kernels do.)
     if why is not None and opts.BACKEND == "gluon" and not spec.scatters and spec.part != "fused":
         raise expected("kernel_options['BACKEND']", "'gluon' only where the Gluon kernels run",
@@ -599,9 +614,6 @@ def gluon_backward_spec(plan: AttentionPlan, query, key, value, spec):
                        "use BACKEND 'AUTO' or 'tl' (the Triton-language kernels)")
     if why is not None:
         return None, why
-    # The ring's depth: what fits in shared memory beside the tiles a program keeps (D=128:
-    # 64 KB; a slot of 64 streamed rows 32 KB, of 128 rows 64 KB).
-    stages = opts.num_stages or (2 if plan.D == 128 and (tiles[step] == 128 or spec.part == "fused") else 3)
     return dataclasses.replace(spec, template="backward_gluon", block_m=tiles["BLOCK_M"],
                                block_n=tiles["BLOCK_N"], num_warps=4, num_stages=stages, use_tma=True), None
 
