@@ -206,10 +206,11 @@ def run_backward(bw: BackwardPlan, plan, query, key, value, out, lse, grad_out, 
     # Checked once for the TMA and the Gluon kernels alike (the Gluon ones read out by pointer).
     addressable = (bw.pointer, bw.gluon_dq, bw.gluon_dkdv, bw.gluon_fused) != (None,) * 4 and _addressable(
         (query, key, value, grad_out, dq, dk, dv), query.dtype)
+    with_out = addressable and _addressable((out,), query.dtype)
     dq_spec, dkdv_spec = bw.dq, bw.dkdv
-    if bw.pointer is not None and not (addressable and _addressable((out,), query.dtype)):
+    if bw.pointer is not None and not with_out:
         dq_spec, dkdv_spec = bw.pointer
-    fused = _gluon(bw.gluon_fused, addressable and needs_kv and _addressable((out,), query.dtype))
+    fused = _gluon(bw.gluon_fused, with_out and needs_kv)
     if fused is not None:
         # delta first (the fused kernel reads it), then dK, dV and dQ in one kernel; dQ summed
         # in float32 by TMA reduce-adds across the kv tiles, rounded after.
