@@ -41,7 +41,7 @@ from .snippet import Snippet
 # forward_gluon 7, backward_gluon 6: the Gluon descriptor helper takes a column count and
 # float32 (the fused backward's dQ sum).)
 SIGMOID_REVISION = 4
-TEMPLATE_VERSIONS = {"forward": 10, "forward_gluon": 7, "backward_gluon": 6, "block_mask": 5,
+TEMPLATE_VERSIONS = {"forward": 10, "forward_gluon": 7, "backward_gluon": 7, "block_mask": 5,
                      "block_lists": 2, "decode": 4, "decode_merge": 2, "paged_write": 3,
                      "backward": 10, "linear": 5, "linear_decode": 2}
 

@@ -91,8 +91,9 @@ GLUON_DQ_AUTO = True
 # (16k, whole backward): softcap 13.1 against 14.4 ms at head dim 128, 8.25 against 9.47 at
 # 64; but full 12.6 against 11.9, causal 6.46 against 6.04, document and head dim 64 slower
 # too: its extra product and the reduce-adds of dQ cost more than the dQ kernel's
-# recomputation of S and dP saves (benchmarks/NOTES.md, "Fused backward"). True: wherever it
-# can run; False: never.
+# recomputation of S and dP saves (benchmarks/NOTES.md, "Fused backward"). At head dim 64 its
+# warpgroups since share one dSᵀ tile (half the reduce-adds): full 6.95 against 6.53-6.66 ms,
+# softcap 3% faster, on an H200 (NOTES.md, 2026-11-27). True: wherever it can run; False: never.
 GLUON_FUSED = None
 # Its query rows per step (BLOCK_M1 sets them): dQ's chunks beside dK and dV spill at 128.
 GLUON_FUSED_BLOCK_M = {64: 64, 128: 64}
@@ -562,7 +563,8 @@ GLUON_SHARED_BYTES = 224 * 1024
 
 def _fused_shared_bytes(tiles: dict, stages: int, D: int) -> int:
     """The fused kernel's shared memory (16-bit tiles): K and V, the Q / dO ring, dSᵀ, and
-    two float32 dQ stages per consumer warpgroup of min(D, 4096 / BLOCK_M) columns."""
+    two float32 dQ stages per consumer warpgroup of at most min(D, 4096 / BLOCK_M) columns
+    (fewer at head dim 64, where the warpgroups split dQ's columns)."""
     m, n = tiles["BLOCK_M"], tiles["BLOCK_N"]
     return 2 * (2 * n * D + 2 * stages * m * D + n * m) + 4 * 2 * (n // 64) * m * min(D, 4096 // m)
 
