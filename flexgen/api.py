@@ -155,13 +155,24 @@ def kernel_source(query, key, value, score_mod=None, block_mask=None, scale=None
     """
     from .runtime.plan import plan_backward
     from .kernels.backward import grad_slots
-    if part not in ("forward", "dq", "dkdv", "fused"):
-        raise expected("part", '"forward", "dq", "dkdv" or "fused"', repr(part), "pick one of the four kernels")
+    _check_part(part)
     call = plan(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options)
     if part == "forward":
         return source(call.spec if call.kernel == "forward" else call.decode.spec)
     score_buffers = () if score_mod is None else trace_cached(score_mod, "score_mod").buffers
     bw = plan_backward(call, query, key, value, grad_slots(score_buffers))
+    return _backward_source(bw, part)
+
+
+def _check_part(part) -> None:
+    """``kernel_source``'s and ``sigmoid_kernel_source``'s ``part``: one of the four kernels."""
+    if part not in ("forward", "dq", "dkdv", "fused"):
+        raise expected("part", '"forward", "dq", "dkdv" or "fused"', repr(part), "pick one of the four kernels")
+
+
+def _backward_source(bw, part: str) -> str:
+    """The source of backward plan ``bw``'s kernel ``part`` ("dq", "dkdv" or "fused"): the
+    Gluon kernel where the plan has one, else the tl one."""
     if part == "fused":
         if bw.gluon_fused is None:
             raise expected("part", '"fused" for a call whose backward the fused Gluon kernel runs',
@@ -466,11 +477,11 @@ def sigmoid_kernel_source(query, key, value, score_mod=None, block_mask=None, sc
                           enable_gqa=False, kernel_options=None, part="forward") -> str:
     """The generated module source ``sigmoid_attention`` would run for these arguments:
     ``part`` "forward" (the forward kernel, or the decode kernel for a few queries), "dq" or
-    "dkdv" (the backward's two kernels). Nothing is launched."""
+    "dkdv" (the backward's two kernels; "fused" is refused: no sigmoid backward takes the
+    fused kernel). Nothing is launched."""
     from .runtime.plan import plan_sigmoid, plan_sigmoid_backward
     from .kernels.backward import grad_slots
-    if part not in ("forward", "dq", "dkdv", "fused"):
-        raise expected("part", '"forward", "dq", "dkdv" or "fused"', repr(part), "pick one of the four kernels")
+    _check_part(part)
     _tensors(query=query, key=key, value=value)
     score_mod, score_buffers, mask_mod, mask_buffers, lists, block_size, lengths = _mods(
         score_mod, block_mask)
@@ -481,12 +492,7 @@ def sigmoid_kernel_source(query, key, value, score_mod=None, block_mask=None, sc
     if part == "forward":
         return source(plan.spec if plan.kernel == "forward" else plan.decode.spec)
     bw = plan_sigmoid_backward(*args, grad_slots(score_buffers))
-    if part == "fused":
-        if bw.gluon_fused is None:
-            raise expected("part", '"fused" for a call whose backward the fused Gluon kernel runs',
-                           "a call it does not run", 'ask for "dq" and "dkdv"')
-        return source(bw.gluon_fused)
-    return source(bw.gluon_dq or bw.dq if part == "dq" else bw.gluon_dkdv or bw.dkdv)
+    return _backward_source(bw, part)
 
 
 # ---------------------------------------------------------------------------------- linear attention

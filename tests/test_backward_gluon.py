@@ -278,6 +278,26 @@ def test_auto_fuses_where_the_score_mods_derivative_varies(as_if_hopper, monkeyp
     assert backward_plan(*small, M.tanh_softcap(30.0), options={"BACKEND": "tl"})[1].gluon_fused is None
 
 
+
+def test_kernel_source_shows_the_fused_kernel(as_if_hopper, monkeypatch):
+    """kernel_source(part="fused") is the fused kernel's module where the plan takes it (at head
+    dim 64: its warpgroups share the dSᵀ tile), and a clear refusal where it does not, or for
+    sigmoid attention, whose backward never takes it."""
+    q, k, v = make_qkv(B=1, H=2, L=256, D=64, dtype=torch.bfloat16)
+    bm = create_block_mask(M.causal_mask, None, None, 256, 256, device="cpu")
+    monkeypatch.setattr(plan_module, "GLUON_FUSED", True)
+    text = flexgen.kernel_source(q, k, v, M.tanh_softcap(30.0), bm, kernel_options=GLUON, part="fused")
+    assert "_tma_atomic_add(DQ" in text and "mbarrier.wait(ds_ready" in text
+    with pytest.raises(InputError, match='"fused" for a call whose backward'):
+        flexgen.sigmoid_kernel_source(q, k, v, None, bm, kernel_options=GLUON, part="fused")
+    monkeypatch.setattr(plan_module, "GLUON_FUSED", False)
+    plan_module.clear_memos()
+    with pytest.raises(InputError, match='"fused" for a call whose backward'):
+        flexgen.kernel_source(q, k, v, M.tanh_softcap(30.0), bm, kernel_options=GLUON, part="fused")
+    with pytest.raises(InputError, match="pick one of the four kernels"):
+        flexgen.kernel_source(q, k, v, part="fuse")
+
+
 # ------------------------------------------------------------------------- on the GPU
 
 def _check(name, got, want, tol):
