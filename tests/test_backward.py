@@ -499,3 +499,35 @@ def test_eager_gradients_take_the_ops_implementations_without_the_op():
     assert "EagerAttention" in eager_fn and "EagerAttention" not in op_fn
     torch.testing.assert_close(eager[:2], op[:2], rtol=0, atol=0)
     torch.testing.assert_close(eager[2], op[2], rtol=1e-6, atol=1e-6)
+
+
+def test_torch_func_grad_and_vjp():
+    """torch.func.grad (over the inputs and a captured tensor) and torch.func.vjp give the
+    gradients autograd gives; their saved tensors are functorch wrappers, which the backward
+    hands to the op (whose dispatch unwraps them) rather than to the kernels. Both match the
+    float64 reference."""
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 2, 70, 16, generator=gen) for _ in range(3))
+    bias = torch.randn(2, 70, 70, generator=gen)
+    bm = create_block_mask(M.causal_mask, None, None, 70, 70, BLOCK_SIZE=32)
+
+    def loss(q, bias, attention=flex_attention):
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + bias[h, q_idx, kv_idx]
+        return attention(q, k, v, score_mod=score_mod, block_mask=bm).pow(2).sum()
+
+    dq, dbias = torch.func.grad(loss, argnums=(0, 1))(q, bias)
+    qq, bb = q.clone().requires_grad_(), bias.clone().requires_grad_()
+    loss(qq, bb).backward()
+    assert torch.equal(dq, qq.grad) and torch.equal(dbias, bb.grad)
+    q64, b64 = q.double().requires_grad_(), bias.double().requires_grad_()
+    loss(q64, b64, lambda *a, **kw: flex_attention_reference(*a[:3], kw["score_mod"],
+                                                             mask_mod=M.causal_mask)).backward()
+    torch.testing.assert_close(dq.double(), q64.grad, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(dbias.double(), b64.grad, atol=2e-4, rtol=2e-4)
+
+    out, vjp = torch.func.vjp(lambda q: flex_attention(q, k, v, block_mask=bm), q)
+    (dq,) = vjp(torch.ones_like(out))
+    qq = q.clone().requires_grad_()
+    flex_attention(qq, k, v, block_mask=bm).sum().backward()
+    assert torch.equal(dq, qq.grad)

@@ -235,23 +235,34 @@ class _EagerAttention(torch.autograd.Function):
 
     ``apply(query, key, value, rest, *tensors)``: ``tensors`` the captured tensors, the mask's
     and the block lists, in that order (inputs, so autograd sees each); ``rest`` their counts
-    and ``attention``'s other arguments from ``score_mod`` on."""
+    and ``attention``'s other arguments from ``score_mod`` on. The context is set up apart
+    from the forward, as torch.func's transforms (``torch.func.grad``) require."""
 
     @staticmethod
-    def forward(ctx, query, key, value, rest, *tensors):
-        (ns, nm, _), call = rest[0], rest[1:]
-        lists = list(tensors[:ns]), list(tensors[ns:ns + nm]), list(tensors[ns + nm:])
-        output = _attention(query, key, value, *lists, *call)
-        _save(ctx, query, key, value, output, *lists, call)
-        return output
+    def forward(query, key, value, rest, *tensors):
+        return _attention(query, key, value, *_EagerAttention._lists(rest, tensors), *rest[1:])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        query, key, value, rest, *tensors = inputs
+        _save(ctx, query, key, value, output, *_EagerAttention._lists(rest, tensors), rest[1:])
+
+    @staticmethod
+    def _lists(rest, tensors) -> tuple:
+        """(score_buffers, mask_buffers, block_lists) from ``apply``'s flat ``tensors``."""
+        ns, nm, _ = rest[0]
+        return list(tensors[:ns]), list(tensors[ns:ns + nm]), list(tensors[ns + nm:])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_lse, grad_max):
         needs = ctx.needs_input_grad               # (query, key, value, rest, *tensors)
         ns, nm, nl = ctx.counts
-        dq, dk, dv, grads = _gradients(ctx, grad_out, grad_lse, needs[:3], needs[4:4 + ns],
-                                       _attention_backward)
+        # Saved under torch.func's transforms (grad, vjp), the tensors are wrapped (no storage
+        # a kernel can read): the op's dispatch unwraps them.
+        wrapped = torch._C._functorch.is_functorch_wrapped_tensor(ctx.saved_tensors[0])
+        backward = attention_backward if wrapped else _attention_backward
+        dq, dk, dv, grads = _gradients(ctx, grad_out, grad_lse, needs[:3], needs[4:4 + ns], backward)
         return (dq, dk, dv, None, *grads, *[None] * (nm + nl))
 
 
