@@ -278,7 +278,6 @@ def test_auto_fuses_where_the_score_mods_derivative_varies(as_if_hopper, monkeyp
     assert backward_plan(*small, M.tanh_softcap(30.0), options={"BACKEND": "tl"})[1].gluon_fused is None
 
 
-
 def test_kernel_source_shows_the_fused_kernel(as_if_hopper, monkeypatch):
     """kernel_source(part="fused") is the fused kernel's module where the plan takes it (at head
     dim 64: its warpgroups share the dSᵀ tile), and a clear refusal where it does not, or for

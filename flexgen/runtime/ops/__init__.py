@@ -158,11 +158,15 @@ def _save(ctx, query, key, value, output, score_buffers, mask_buffers, block_lis
     ctx.grad_slots = _backward.grad_slots(score_buffers)
 
 
-def _gradients(ctx, grad_out, grad_lse, needs_qkv, needs_score, backward) -> tuple:
+def _gradients(ctx, grad_out, grad_lse, needs_qkv, needs_score, through_op: bool) -> tuple:
     """(dq, dk, dv, [gradient or None per captured tensor]) from what ``_save`` kept:
-    ``needs_qkv`` / ``needs_score`` say which inputs want one, ``backward`` is
-    ``attention_backward`` (the op) or ``_attention_backward`` (its implementation)."""
+    ``needs_qkv`` / ``needs_score`` say which inputs want one. ``through_op``: the backward
+    runs as the op ``attention_backward`` (the op's own autograd), else as its implementation
+    (``_EagerAttention``) unless the saved tensors are torch.func's wrappers (grad, vjp: no
+    storage a kernel can read), which only the op's dispatch unwraps."""
     query, key, value, out, lse, *saved = ctx.saved_tensors
+    through_op = through_op or torch._C._functorch.is_functorch_wrapped_tensor(query)
+    backward = attention_backward if through_op else _attention_backward
     ns, nm, _ = ctx.counts
     slots = [i for i in ctx.grad_slots if needs_score[i]]
     grads = [None] * ns
@@ -181,7 +185,7 @@ def _gradients(ctx, grad_out, grad_lse, needs_qkv, needs_score, backward) -> tup
 def _attention_grad(ctx, grad_out, grad_lse, grad_max):
     needs = ctx.needs_input_grad
     _, nm, nl = ctx.counts
-    dq, dk, dv, grads = _gradients(ctx, grad_out, grad_lse, needs[:3], needs[3], attention_backward)
+    dq, dk, dv, grads = _gradients(ctx, grad_out, grad_lse, needs[:3], needs[3], through_op=True)
     block_size, mask_lengths = ctx.rest[2], ctx.rest[3]
     # One entry per input in the structure autograd checks: a tensor list as a list of as
     # many, an int list as one entry (an empty one as an empty list).
@@ -258,11 +262,7 @@ class _EagerAttention(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse, grad_max):
         needs = ctx.needs_input_grad               # (query, key, value, rest, *tensors)
         ns, nm, nl = ctx.counts
-        # Saved under torch.func's transforms (grad, vjp), the tensors are wrapped (no storage
-        # a kernel can read): the op's dispatch unwraps them.
-        wrapped = torch._C._functorch.is_functorch_wrapped_tensor(ctx.saved_tensors[0])
-        backward = attention_backward if wrapped else _attention_backward
-        dq, dk, dv, grads = _gradients(ctx, grad_out, grad_lse, needs[:3], needs[4:4 + ns], backward)
+        dq, dk, dv, grads = _gradients(ctx, grad_out, grad_lse, needs[:3], needs[4:4 + ns], through_op=False)
         return (dq, dk, dv, None, *grads, *[None] * (nm + nl))
 
 
