@@ -104,7 +104,8 @@ def main(argv=None) -> int:
             events.setdefault("all", []).append((start, end))
         torch.cuda.synchronize()
         ms = {part: statistics.median(s.elapsed_time(e) for s, e in pairs) for part, pairs in events.items()}
-        parts = "  ".join(f"{p} {ms[p]:7.3f}" for p in ("dq", "dkdv", "fused", "all") if p in ms)
+        parts = "  ".join(f"{p.removeprefix('backward_')} {ms[p]:7.3f}" for p in ("dq", "dkdv", "backward_delta", "fused", "all")
+                          if p in ms)
         print(f"[{args.label}] D={D} {variant:15s} L={L:6d} {parts} ms", flush=True)
         del out
     return 0

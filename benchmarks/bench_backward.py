@@ -107,7 +107,8 @@ class SmokeTimer(Timer):
 
 def kernel_path(r) -> str:
     """"tma", "pointer" or "mixed": how flexgen's backward kernels of a case addressed memory."""
-    paths = {k["use_tma"] for name, k in (r.get("flexgen_kernels") or {}).items() if name.startswith("backward")}
+    paths = {k["use_tma"] for name, k in (r.get("flexgen_kernels") or {}).items()
+             if name.startswith("backward") and name != "backward_delta"}
     return "tma" if paths == {True} else "pointer" if paths == {False} else "mixed" if paths else "?"
 
 
@@ -133,7 +134,8 @@ def recording_kernels(fn):
         launch.RECORDED = previous
     kernels = {}
     for spec, _, _ in recorded:
-        name = f"{spec.template}.{spec.part}" if spec.template.startswith("backward") else spec.template
+        part = getattr(spec, "part", None)      # (the backward's parts; not its delta kernel)
+        name = f"{spec.template}.{part}" if part else spec.template
         kernels[name] = dict(use_tma=spec.use_tma, block_m=spec.block_m, block_n=spec.block_n,
                              num_warps=spec.num_warps, num_stages=spec.num_stages)
     return result, kernels

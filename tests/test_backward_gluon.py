@@ -30,7 +30,7 @@ from flexgen.kernels import backward as backward_module
 from flexgen.kernels.backward import grad_slots
 from flexgen.masks.block_mask import mask_inputs
 from flexgen.reference import flex_attention_reference
-from flexgen.runtime import aot
+from flexgen.runtime import aot, launch
 from flexgen.runtime import plan as plan_module
 
 import conftest
@@ -449,6 +449,55 @@ def fused_backward(monkeypatch):
     plan_module.clear_memos()
     yield
     plan_module.clear_memos()
+
+
+@pytest.mark.parametrize("D, Dv, dtype", [(64, 64, torch.bfloat16), (128, 128, torch.float16),
+                                           (80, 48, torch.float32)])
+def test_fused_backwards_first_kernel_writes_delta_and_zeroes_the_sum(D, Dv, dtype):
+    """The fused backward's first kernel (template backward_delta), under the interpreter:
+    delta = rowsum(dO out) - dLSE in float32 and every row of the float32 dQ sum zeroed, at an
+    odd length, head dims that need padding, and out in a transposed layout."""
+    B, H, L = 2, 3, 77
+    gen = torch.Generator().manual_seed(D)
+    out = torch.randn(B, L, H, Dv, generator=gen).to(dtype).transpose(1, 2)
+    dout = torch.randn(B, H, L, Dv, generator=gen).to(dtype)
+    dlse = torch.randn(B, H, L, generator=gen)
+    for grad_lse in (None, dlse):
+        delta = torch.full((B, H, L), float("nan"))
+        dq_sum = torch.full((B, H, L, D), float("nan"))
+        launch.run(backward_module.delta_spec(D, Dv, dtype), torch.device("cpu"),
+                   dict(out=out, dout=dout, dlse=grad_lse, delta=delta, dq=dq_sum))
+        want = (out.double() * dout.double()).sum(-1) - (0 if grad_lse is None else dlse.double())
+        torch.testing.assert_close(delta.double(), want, rtol=1e-5, atol=1e-5)
+        assert (dq_sum == 0).all()
+
+
+def test_fused_backward_runs_its_first_kernel_then_the_fused_one(as_if_hopper, fused_backward, monkeypatch):
+    """The fused path on CPU tensors, its Gluon kernels not launched (they need sm_90): the
+    first kernel writes delta (with the LSE's gradient) and the zeroed dQ sum, then the fused
+    kernel gets both, and dQ is the sum rounded."""
+    monkeypatch.setattr(backward_module, "_addressable", lambda tensors, dtype: True)
+    real_run, seen = launch.run, []
+
+    def run(spec, device, inputs, **kwargs):
+        seen.append((spec.template, dict(inputs)))
+        if spec.template == "forward_gluon":       # (any finite output will do)
+            inputs["out"].normal_(generator=torch.Generator().manual_seed(0))
+            inputs["lse"].zero_()
+        if spec.template in ("forward_gluon", "backward_gluon"):
+            return None
+        return real_run(spec, device, inputs, **kwargs)
+    monkeypatch.setattr(launch, "run", run)
+    q, k, v = (t.requires_grad_() for t in make_qkv(B=1, H=2, L=200, D=64, dtype=torch.bfloat16))
+    out, lse = flex_attention(q, k, v, kernel_options=GLUON, return_lse=True)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    dq = torch.autograd.grad([out, lse], q, [dout, dlse])[0]
+    assert [template for template, _ in seen] == ["forward_gluon", "backward_delta", "backward_gluon"]
+    first, fused = seen[1][1], seen[2][1]
+    want = (out.double() * dout.double()).sum(-1) - dlse.double()
+    torch.testing.assert_close(first["delta"].double(), want, rtol=1e-5, atol=1e-5)
+    assert fused["delta"] is first["delta"] and fused["dq"] is first["dq"]
+    assert fused["dq"].dtype == torch.float32 and (fused["dq"] == 0).all() and (dq == 0).all()
 
 
 @needs_hopper

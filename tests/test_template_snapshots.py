@@ -4,8 +4,8 @@ tests/test_snapshots.py keeps one forward (pointer) kernel per mod in flexgen.mo
 file keeps the other templates and variants: the forward's TMA variant and its float32
 form (one pass over both block lists), the backward's
 dQ and dK/dV kernels (pointer and TMA, and the dQ kernel's deterministic fixed-point
-scatter), the Gluon dK/dV kernel, decode, decode_merge, block_mask, block_lists and
-paged_write (linear and linear_decode: tests/test_linear.py). Each case renders a spec the way the
+scatter), the Gluon dQ, dK/dV and fused kernels, the fused backward's delta kernel, decode,
+decode_merge, block_mask, block_lists and paged_write (linear and linear_decode: tests/test_linear.py). Each case renders a spec the way the
 runtime makes it (nothing is launched, so a CPU renders TMA and Gluon kernels too), with a
 padded head dim (80 -> 128, 48 -> 64) where the template masks head-dim lanes. Files: tests/snapshots/test_template_snapshots/.
 
@@ -31,6 +31,7 @@ from flexgen.api import decode_kernel_source
 from flexgen.codegen.cache import source
 from flexgen.frontend.lowering import lower
 from flexgen.frontend.trace import trace_cached
+from flexgen.kernels.backward import delta_spec
 from flexgen.kernels.paged import paged_write_spec
 from flexgen.masks.builder import block_mask_spec, lists_spec
 from flexgen.runtime import aot
@@ -174,11 +175,14 @@ CASES = {
     "dq_gluon_alibi_document": ("backward_gluon", "delta_r = gl.sum(", gluon_backward(
         "dq", M.alibi(slopes=M.alibi_slopes(4)), M.document_mask(DOC))),
     # backward: the fused Gluon kernel (dK, dV, and dQ by TMA reduce-adds); at head dim 64
-    # its warpgroups share the dSᵀ tile and split dQ's columns
+    # its warpgroups share the dSᵀ tile and split dQ's columns; the kernel before it (delta,
+    # the zeroed sum)
     "fused_gluon_softcap_causal_d128": ("backward_gluon", "_tma_atomic_add(DQ", gluon_backward(
         "fused", M.tanh_softcap(30.0), M.causal_mask, D=128)),
     "fused_gluon_softcap_causal": ("backward_gluon", "mbarrier.wait(ds_ready", gluon_backward(
         "fused", M.tanh_softcap(30.0), M.causal_mask)),
+    "backward_delta": ("backward_delta", "tl.sum(", lambda: source(delta_spec(128, 128, torch.bfloat16))),
+    "backward_delta_padded": ("backward_delta", "< 48", lambda: source(delta_spec(**PAD, dtype=torch.float16))),
     # decode (a few queries)
     "decode_softcap_document": ("decode", "VISIT_IDX", attention("forward", M.tanh_softcap(30.0),
                                                                  M.document_mask(DOC), Lq=1)),

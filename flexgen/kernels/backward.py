@@ -39,8 +39,9 @@ scatters: a score_mod whose captured tensors want gradients keeps the tl dQ kern
 
 The Gluon dK/dV kernel also has a fused form (part "fused", ``plan.GLUON_FUSED``): it adds
 each tile's dS K into a float32 dQ through TMA reduce-adds, so S, dP and the mods are
-computed once per tile pair. delta then comes first, from torch; the float32 sum is
-rounded into dQ after. Its adds come in any order, so a deterministic backward never takes it.
+computed once per tile pair. A small tl kernel (``templates/backward_delta.py.jinja``) comes
+first: delta, and the float32 sum zeroed; the sum is rounded into dQ after. Its adds come in
+any order, so a deterministic backward never takes it.
 """
 from __future__ import annotations
 
@@ -51,10 +52,11 @@ from dataclasses import dataclass
 import torch
 from triton.compiler.errors import CompilationError
 
-from ..codegen.spec import KernelSpec, tma_addressable
+from ..codegen.spec import KernelSpec, kernel_spec, pad_head_dim, tma_addressable
 from ..errors import expected
 from ..frontend.lowering import lower
 from ..runtime import launch
+from ..runtime.checks import DTYPES
 from ..runtime.poison import poison
 from .forward import remember, replay, replay_key
 
@@ -212,14 +214,14 @@ def run_backward(bw: BackwardPlan, plan, query, key, value, out, lse, grad_out, 
         dq_spec, dkdv_spec = bw.pointer
     fused = _gluon(bw.gluon_fused, with_out and needs_kv)
     if fused is not None:
-        # delta first (the fused kernel reads it), then dK, dV and dQ in one kernel; dQ summed
-        # in float32 by TMA reduce-adds across the kv tiles, rounded after.
-        torch.sum(grad_out.to(torch.float32, copy=True).mul_(out), -1, out=delta)
-        if dlse is not None:
-            delta.sub_(dlse)
-        dq_sum = torch.zeros(query.shape, dtype=torch.float32, device=device)
+        # delta and the zeroed float32 dQ sum first (one kernel), then dK, dV and dQ in one
+        # kernel; dQ summed in float32 by TMA reduce-adds across the kv tiles, rounded after.
+        dq_sum = torch.empty(query.shape, dtype=torch.float32, device=device)
+        poison(dq_sum)
         run = _Launcher(plan, (query, key, value, out, grad_out, lse, dlse, delta, dq_sum, dk, dv),
                         score_buffers, mask_buffers, block_lists, bias)
+        run(delta_spec(plan.D, plan.Dv, query.dtype),
+            lambda: dict(out=out, dout=grad_out, dlse=dlse, delta=delta, dq=dq_sum))
         try:
             run(fused, lambda: dict(inputs(False), dq=dq_sum))
         except CompilationError:
@@ -241,6 +243,13 @@ def run_backward(bw: BackwardPlan, plan, query, key, value, out, lse, grad_out, 
     return dq, dk, dv, buffer_grads(bw, grads, score_buffers)
 
 
+def delta_spec(D: int, Dv: int, dtype: torch.dtype) -> KernelSpec:
+    """The fused backward's first kernel (``templates/backward_delta.py.jinja``): delta and the
+    zeroed float32 dQ sum, [64 or 128 rows, D] tiles per program."""
+    return kernel_spec("backward_delta", qk_head=D, v_head=Dv, dtype=DTYPES[dtype],
+                       block_m=max(16, min(128, 8192 // pad_head_dim(max(D, Dv)))), num_warps=4)
+
+
 class _Launcher:
     """Launches a backward kernel, or replays its launch of an earlier call like this one
     (``launch.Replay``): the same plan, kernel and bias, tensors laid out alike, and the
@@ -259,7 +268,7 @@ class _Launcher:
         key = (spec.kernel_name, *self.key)
         if not replay(self.plan, key, self.fresh):
             inputs = make_inputs()
-            launched = launch.run(spec, inputs["q"].device, inputs, tune_blocks=tune_blocks,
+            launched = launch.run(spec, self.fresh[0].device, inputs, tune_blocks=tune_blocks,
                                   replay=self.fresh, origins=self.origins)
             remember(self.plan, key, launched)
 
