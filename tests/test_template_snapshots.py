@@ -174,9 +174,9 @@ CASES = {
         "dq", M.tanh_softcap(30.0), M.causal_mask, D=128)),
     "dq_gluon_alibi_document": ("backward_gluon", "delta_r = gl.sum(", gluon_backward(
         "dq", M.alibi(slopes=M.alibi_slopes(4)), M.document_mask(DOC))),
-    # backward: the fused Gluon kernel (dK, dV, and dQ by TMA reduce-adds); at head dim 64
-    # its warpgroups share the dSᵀ tile and split dQ's columns; the kernel before it (delta,
-    # the zeroed sum)
+    # backward: the fused Gluon kernel (dK, dV, and dQ by TMA reduce-adds): its warpgroups
+    # share the dSᵀ tile and split dQ's columns (at head dim 128 the tile is dK's operand too),
+    # except at head dim 128 under a soft-cap; and the kernel before it (delta, the zeroed sum)
     "fused_gluon_softcap_causal_d128": ("backward_gluon", "_tma_atomic_add(DQ", gluon_backward(
         "fused", M.tanh_softcap(30.0), M.causal_mask, D=128)),
     "fused_gluon_softcap_causal": ("backward_gluon", "mbarrier.wait(ds_ready", gluon_backward(
