@@ -257,17 +257,23 @@ def test_gluon_backward_compiles_for_sm90(as_if_hopper, monkeypatch, name, part)
 
 
 @pytest.mark.parametrize("D", [64, 128])
-def test_auto_fuses_where_the_score_mods_derivative_varies(as_if_hopper, monkeypatch, D):
+def test_auto_fuses_soft_capping_and_plain_rows_at_head_dim_128(as_if_hopper, monkeypatch, D):
     """AUTO (GLUON_FUSED None) takes the fused kernel for soft-capping (its derivative is not a
-    constant), not for plain, ALiBi (a tile of both positions) or masked-only calls, nor where
-    the backward must be deterministic or a captured tensor wants a gradient."""
+    constant) and, at head dim 128, without a score_mod under masks that read no captured
+    tensor; not for ALiBi (a tile of both positions), a document mask at head dim 128 or plain
+    rows at 64, nor where the backward must be deterministic or a captured tensor wants a
+    gradient."""
     monkeypatch.setattr(plan_module, "GLUON_FUSED", None)
     q, k, v = make_qkv(B=1, H=64, L=4096, D=D, dtype=torch.bfloat16)
     bm = create_block_mask(M.causal_mask, None, None, 4096, 4096, device="cpu")
     fused = backward_plan(q, k, v, M.tanh_softcap(30.0), bm, options=None)[1].gluon_fused
     assert fused.part == "fused" and fused.block_m == 64 and fused.num_stages == (2 if D == 128 else 3)
-    for score in (None, alibi_bias(64)):
-        assert backward_plan(q, k, v, score, bm, options=None)[1].gluon_fused is None
+    for mask in (None, bm):
+        plain = backward_plan(q, k, v, None, mask, options=None)[1].gluon_fused
+        assert (plain is not None) == (D == 128)
+    documents = create_block_mask(doc_mask(4096), None, None, 4096, 4096, device="cpu")
+    assert backward_plan(q, k, v, None, documents, options=None)[1].gluon_fused is None
+    assert backward_plan(q, k, v, alibi_bias(64), bm, options=None)[1].gluon_fused is None
     torch.use_deterministic_algorithms(True)
     try:
         assert backward_plan(q, k, v, M.tanh_softcap(30.0), bm, options=None)[1].gluon_fused is None

@@ -179,6 +179,8 @@ CASES = {
     # except at head dim 128 under a soft-cap; and the kernel before it (delta, the zeroed sum)
     "fused_gluon_softcap_causal_d128": ("backward_gluon", "_tma_atomic_add(DQ", gluon_backward(
         "fused", M.tanh_softcap(30.0), M.causal_mask, D=128)),
+    "fused_gluon_causal_d128": ("backward_gluon", "dk = warpgroup_mma(ds_bufs", gluon_backward(
+        "fused", None, M.causal_mask, D=128)),
     "fused_gluon_softcap_causal": ("backward_gluon", "mbarrier.wait(ds_ready", gluon_backward(
         "fused", M.tanh_softcap(30.0), M.causal_mask)),
     "backward_delta": ("backward_delta", "tl.sum(", lambda: source(delta_spec(128, 128, torch.bfloat16))),

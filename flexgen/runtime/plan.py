@@ -85,15 +85,19 @@ GLUON_DQ_AUTO = True
 # products where the two kernels take seven, and one recomputed tile where they take two).
 # It can run where the Gluon dK/dV kernel can, no captured tensor wants a gradient (it
 # scatters none) and the backward need not be deterministic (the adds come in any order).
-# AUTO (GLUON_FUSED None) takes it where the score_mod's derivative is not a constant
-# (soft-capping: the mod and its derivative are the costly part of a recomputed tile) and
-# the mod reads no tile of both positions (ALiBi-like mods spill in it). The H100 measured
-# (16k, whole backward): softcap 13.1 against 14.4 ms at head dim 128, 8.25 against 9.47 at
-# 64; but full 12.6 against 11.9, causal 6.46 against 6.04, document and head dim 64 slower
-# too: its extra product and the reduce-adds of dQ cost more than the dQ kernel's
-# recomputation of S and dP saves (benchmarks/NOTES.md, "Fused backward"). At head dim 64 its
-# warpgroups since share one dSᵀ tile (half the reduce-adds): full 6.95 against 6.53-6.66 ms,
-# softcap 3% faster, on an H200 (NOTES.md, 2026-11-27). True: wherever it can run; False: never.
+# AUTO (GLUON_FUSED None) takes it
+# - where the score_mod's derivative is not a constant (soft-capping: the mod and its
+#   derivative are the costly part of a recomputed tile) and the mod reads no tile of both
+#   positions (ALiBi-like mods spill in it): H100, whole backward at 16k, 13.1 against 14.4
+#   ms at head dim 128, 8.25 against 9.47 at 64;
+# - at head dim 128 with no score_mod, under no mask or a mask_mod that reads no captured
+#   tensor: its warpgroups share one dSᵀ tile and issue dQ's product before dK's there. H200,
+#   whole backward at 16k against the two kernels: full 11.15 against 12.24 ms, causal 6.05
+#   against 6.18, a 1024-key window 1.03 against 1.25, prefix LM even; a document mask (doc
+#   ids read per position, in step across the warpgroups) 1.98 against 1.66.
+# At head dim 64 the two kernels stay ahead without a score_mod (full 6.70 against 6.64 ms,
+# causal 3.42 against 3.37; a document mask fused 1.06 against 1.14). Measurements:
+# benchmarks/NOTES.md, "Fused backward" and 2026-11-27. True: wherever it can run; False: never.
 GLUON_FUSED = None
 # Its query rows per step (BLOCK_M1 sets them): dQ's chunks beside dK and dV spill at 128.
 GLUON_FUSED_BLOCK_M = {64: 64, 128: 64}
@@ -552,9 +556,11 @@ def _fuses(bw, deterministic: bool) -> bool:
     """Whether the fused Gluon backward may take this backward (GLUON_FUSED)."""
     if GLUON_FUSED is False or deterministic or bw.dq.scatters:
         return False
-    score = bw.dkdv.score
-    return GLUON_FUSED or (score is not None and not bw.dkdv.score_grad_const and not (
-        score.free is None or {"q_idx", "kv_idx"} <= set(score.free)))
+    spec = bw.dkdv
+    if GLUON_FUSED or (spec.score is None and spec.qk_head == 128 and not spec.mask_buffers):
+        return True
+    return spec.score is not None and not spec.score_grad_const and not (
+        spec.score.free is None or {"q_idx", "kv_idx"} <= set(spec.score.free))
 
 
 # An sm_90 program's shared memory, less what the compiler reserves (barriers, scratch).
@@ -564,7 +570,7 @@ GLUON_SHARED_BYTES = 224 * 1024
 def _fused_shared_bytes(tiles: dict, stages: int, D: int) -> int:
     """The fused kernel's shared memory (16-bit tiles): K and V, the Q / dO ring, dSᵀ, and
     two float32 dQ stages per consumer warpgroup of at most min(D, 4096 / BLOCK_M) columns
-    (fewer at head dim 64, where the warpgroups split dQ's columns)."""
+    (fewer where the warpgroups split dQ's columns)."""
     m, n = tiles["BLOCK_M"], tiles["BLOCK_N"]
     return 2 * (2 * n * D + 2 * stages * m * D + n * m) + 4 * 2 * (n // 64) * m * min(D, 4096 // m)
 
