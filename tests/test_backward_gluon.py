@@ -196,6 +196,8 @@ CASES = {
     "learned_bias_causal_d64_m128": (64, torch.float16, 4, 2, 300, 300, "learned", M.causal_mask, 128,
                                      {"BLOCK_M1": 128}),
     "causal_d128_m128": (128, torch.bfloat16, 2, 2, 256, 256, None, M.causal_mask, 128, {"BLOCK_M1": 128}),
+    # Soft-capping at head dim 128: the fused kernel's warpgroups keep their own dSᵀ rows.
+    "softcap_causal_gqa_d128": (128, torch.bfloat16, 4, 2, 300, 300, M.tanh_softcap(20.0), M.causal_mask, 128, {}),
     # A learned relative-position table exactly the size the call needs: proven loads at
     # clamped positions in both kernels.
     "relbias_causal_gqa_d64": (64, torch.bfloat16, 4, 2, 300, 333, "relbias", M.causal_mask, 128, {}),
