@@ -104,8 +104,10 @@ class BackwardPlan:
     # tensor TMA cannot address (or a Gluon kernel does not compile) comes to them.
     gluon_dkdv: BackwardSpec | None = None
     gluon_dq: BackwardSpec | None = None
-    # The fused Gluon kernel (dK, dV and dQ's atomic float32 sum), where the plan takes it.
+    # The fused Gluon kernel (dK, dV and dQ's atomic float32 sum), where the plan takes it,
+    # and the kernel before it (delta, the zeroed sum: ``delta_spec``).
     gluon_fused: BackwardSpec | None = None
+    fused_delta: KernelSpec | None = None
 
 
 def _tiles(t: dict) -> dict:
@@ -220,8 +222,7 @@ def run_backward(bw: BackwardPlan, plan, query, key, value, out, lse, grad_out, 
         poison(dq_sum)
         run = _Launcher(plan, (query, key, value, out, grad_out, lse, dlse, delta, dq_sum, dk, dv),
                         score_buffers, mask_buffers, block_lists, bias)
-        run(delta_spec(plan.D, plan.Dv, query.dtype),
-            lambda: dict(out=out, dout=grad_out, dlse=dlse, delta=delta, dq=dq_sum))
+        run(bw.fused_delta, lambda: dict(out=out, dout=grad_out, dlse=dlse, delta=delta, dq=dq_sum))
         try:
             run(fused, lambda: dict(inputs(False), dq=dq_sum))
         except CompilationError:

@@ -516,7 +516,7 @@ def plan_backward(plan: AttentionPlan, query, key, value, grad_slots: tuple):
     deterministic = torch.are_deterministic_algorithms_enabled()
     hit = plan.backward.get((grad_slots, deterministic))
     if hit is None:
-        from ..kernels.backward import backward_specs
+        from ..kernels.backward import backward_specs, delta_spec
         info, opts = plan.mask_info, plan.options
         sparse_q, sparse_kv = info.block_size if info is not None else (128, 128)
         head_dim = max(plan.D, plan.Dv)
@@ -546,9 +546,9 @@ def plan_backward(plan: AttentionPlan, query, key, value, grad_slots: tuple):
         fused = None
         if (opts.BACKEND == "gluon" or gluon is not None or gluon_dq is not None) and _fuses(bw, deterministic):
             fused, _ = gluon_backward_spec(plan, query, key, value, dataclasses.replace(bw.dkdv, part="fused"))
-        hit = plan.backward[(grad_slots, deterministic)] = dataclasses.replace(bw, gluon_dkdv=gluon,
-                                                                              gluon_dq=gluon_dq,
-                                                                              gluon_fused=fused)
+        hit = plan.backward[(grad_slots, deterministic)] = dataclasses.replace(
+            bw, gluon_dkdv=gluon, gluon_dq=gluon_dq, gluon_fused=fused,
+            fused_delta=None if fused is None else delta_spec(plan.D, plan.Dv, query.dtype))
     return hit
 
 
