@@ -42,9 +42,10 @@ from .snippet import Snippet
 # float32 (the fused backward's dQ sum). backward_delta: the fused backward's delta and zeroed
 # dQ sum. backward_gluon 8: the fused kernel's shared dSᵀ tile at head dim 128 too (and dK's
 # operand there), dQ's product before dK's, the last tile's wait before dK leaves. forward_gluon 8:
-# the partial and the full kv tiles in loops of their own.)
+# the partial and the full kv tiles in loops of their own. backward_gluon 9: likewise the dQ
+# kernel's.)
 SIGMOID_REVISION = 4
-TEMPLATE_VERSIONS = {"forward": 10, "forward_gluon": 8, "backward_gluon": 8, "backward_delta": 1, "block_mask": 5,
+TEMPLATE_VERSIONS = {"forward": 10, "forward_gluon": 8, "backward_gluon": 9, "backward_delta": 1, "block_mask": 5,
                      "block_lists": 2, "decode": 4, "decode_merge": 2, "paged_write": 3,
                      "backward": 10, "linear": 5, "linear_decode": 2}
 
