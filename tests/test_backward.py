@@ -187,6 +187,25 @@ def test_gradients_match_reference(case):
         assert (got[0][:, :, :7] == 0).all()
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c.id in ("causal_gqa", "document")],
+                         ids=["causal_gqa", "document"])
+def test_grids_in_row_order_match_reference(case, monkeypatch):
+    """The attention grids take their programs block-major where a grid is a few waves
+    (``launch.block_major``: the small grids here, as on an H100) and row by row above that;
+    row order, forced here, gives the same gradients (batch 2, GQA)."""
+    monkeypatch.setattr(flexgen.runtime.launch, "BLOCK_MAJOR_WAVES", 0)
+    test_gradients_match_reference(case)
+    if flexgen.runtime.launch.RECORDED is not None:
+        assert [cx["BLOCK_MAJOR"] for _, _, cx in flexgen.runtime.launch.RECORDED[-3:]] == [False] * 3
+
+
+def test_block_major_up_to_eight_waves():
+    cpu = torch.device("cpu")
+    sms = flexgen.runtime.launch.CPU_SMS
+    assert flexgen.runtime.launch.block_major(8 * sms, cpu)
+    assert not flexgen.runtime.launch.block_major(8 * sms + 1, cpu)
+
+
 def test_only_some_inputs_require_grad():
     """Gradients come back for exactly the tensors that require them (here: value and a bias)."""
     g = _gen(3)

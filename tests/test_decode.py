@@ -129,7 +129,7 @@ def test_split_counts_on_a_gpu(monkeypatch):
     """Two programs per SM, one where splits would be short (contiguous or paged); never splits under
     MIN_TILES_PER_SPLIT tiles or over MAX_SPLITS (the SM count is faked: no GPU here)."""
     from flexgen.kernels import decode
-    monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(decode.launch, "sm_count", lambda device: 132)
     monkeypatch.setattr(decode, "_SPLITS", {})
     gpu = torch.device("cuda", 0)
     assert decode.choose_splits(gpu, 8, 128) == 16                  # B=1, Hkv=8, 8k keys / 64
@@ -143,7 +143,7 @@ def test_one_program_per_sm_runs_the_deeper_pipeline(monkeypatch):
     """Three stages where each program has an SM to itself, else two; not past D=128, and a
     caller's num_stages holds (the SM count is faked: no GPU here)."""
     from flexgen.kernels import decode
-    monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(decode.launch, "sm_count", lambda device: 132)
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert [decode._alone(gpu, 8, s) for s in (16, 17)] == [True, False]   # 8 x 16 = 128 <= 132
     assert not decode._alone(cpu, 1, 1)

@@ -279,6 +279,9 @@ def test_gluon_kernel_compiles_for_sm90(as_if_hopper, name):
         assert "tanh.approx.f32" in compiled.asm["ptx"]
     if name == "causal_d64_fp16":   # the ping-pong schedule (off by default) compiles too
         assert aot.compile_launch(spec, args, dict(constexprs, PINGPONG=True)).asm.get("cubin")
+        # A grid of many waves takes its programs row by row (launch.block_major): that order too.
+        assert constexprs["BLOCK_MAJOR"]
+        assert aot.compile_launch(spec, args, dict(constexprs, BLOCK_MAJOR=False)).asm.get("cubin")
     # Hopper's asynchronous matrix instructions and TMA copies, not a fallback.
     ptx = compiled.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx

@@ -43,11 +43,12 @@ from .snippet import Snippet
 # dQ sum. backward_gluon 8: the fused kernel's shared dSᵀ tile at head dim 128 too (and dK's
 # operand there), dQ's product before dK's, the last tile's wait before dK leaves. forward_gluon 8:
 # the partial and the full kv tiles in loops of their own. backward_gluon 9: likewise the dQ
-# kernel's.)
+# kernel's. forward 11, forward_gluon 9, backward 11, backward_gluon 10: one-dimensional grids,
+# block-major where they are a few waves (common.program_block, launch.block_major).)
 SIGMOID_REVISION = 4
-TEMPLATE_VERSIONS = {"forward": 10, "forward_gluon": 8, "backward_gluon": 9, "backward_delta": 1, "block_mask": 5,
+TEMPLATE_VERSIONS = {"forward": 11, "forward_gluon": 9, "backward_gluon": 10, "backward_delta": 1, "block_mask": 5,
                      "block_lists": 2, "decode": 4, "decode_merge": 2, "paged_write": 3,
-                     "backward": 10, "linear": 5, "linear_decode": 2}
+                     "backward": 11, "linear": 5, "linear_decode": 2}
 
 
 def pad_head_dim(d: int) -> int:

@@ -103,16 +103,6 @@ def visit_lists(kv_lists, group: int):
 
 
 # --- launch configuration --------------------------------------------------------------------
-_SMS: dict = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
-
-
 _SPLITS: dict = {}                 # (device, programs, kv_tiles) -> splits
 SHORT_SPLIT_TILES = 32             # below this many tiles per split, one program per SM
 
@@ -142,7 +132,7 @@ def choose_splits(device: torch.device, programs: int, kv_tiles: int) -> int:
             splits = max(1, min(CPU_SPLITS if programs <= 16 else 1, kv_tiles))
         else:
             cap = max(1, min(MAX_SPLITS, kv_tiles // MIN_TILES_PER_SPLIT))
-            sms, programs = _sm_count(device), max(1, programs)
+            sms, programs = launch.sm_count(device), max(1, programs)
             splits = max(1, 2 * sms // programs)
             if kv_tiles < SHORT_SPLIT_TILES * splits:
                 splits = max(1, sms // programs)
@@ -189,7 +179,7 @@ def deep_stages(device, head_dim: int, stages: int, options) -> int:
 
 def _alone(device, programs: int, num_splits: int) -> bool:
     """Whether every program of a launch gets an SM to itself (then: ``deep_stages``)."""
-    return device.type == "cuda" and programs * num_splits <= _sm_count(device)
+    return device.type == "cuda" and programs * num_splits <= launch.sm_count(device)
 
 
 

@@ -84,8 +84,8 @@ def _decode_dv(device, rows: int, v_pad: int) -> int:
     the batch is too small to fill the GPU. Measured on the H100 (16 heads, 128 x 128 states,
     CUDA graphs): B=64 83% of the copy bandwidth at 64 / 8 warps against 80% at 32; B=1
     3.3 us at 16 / 4 warps against 4.0 at 32 / 4."""
-    from ..kernels.decode import _sm_count
-    sms = _sm_count(device)
+    from . import launch
+    sms = launch.sm_count(device)
     block = min(64, v_pad)
     while block > 16 and rows * (v_pad // block) < 2 * sms:
         block //= 2
