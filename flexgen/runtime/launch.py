@@ -254,7 +254,7 @@ def sm_count(device: torch.device) -> int:
 
 
 # At most this many programs per multiprocessor, a grid of attention programs is taken
-# block-major (common.block_major: every (batch, head) row's first block before any row's
+# block-major (common.program_block: every (batch, head) row's first block before any row's
 # second); above it, row by row. The GPU hands programs out in grid order, and a causal
 # mask's programs differ in length: in few waves, row order ends the grid on one row's long
 # programs (H200, causal, D=128: 16 heads over 8 KV heads at 8k, forward 0.43 ms against
