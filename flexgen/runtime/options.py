@@ -14,6 +14,7 @@ call written for torch runs unchanged; an unknown key or a wrong value is an
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 
 from ..errors import expected, reported
@@ -65,9 +66,10 @@ class KernelOptions:
     NUM_SPLITS: int | None = None
     BACKEND: str = "AUTO"
 
-    @property
+    @functools.cached_property
     def text(self) -> str:
-        """The canonical text of the options that are set (what ops carry and planners key on)."""
+        """The canonical text of the options that are set (what ops carry and planners key on;
+        read at every call, worked out once per options object)."""
         return ";".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self)
                         if getattr(self, f.name) is not None and not (f.name == "BACKEND"
                                                                       and self.BACKEND == "AUTO"))
