@@ -521,6 +521,66 @@ def test_trace_cached_follows_helpers():
     assert T.trace_cached(mod, "score_mod").graph != first.graph
 
 
+def test_a_fresh_mod_of_a_known_shape_takes_its_program_over_its_own_tensors(monkeypatch):
+    """A mod made afresh per call (transformers' masks each forward, a document mask per batch)
+    is not traced again when a mod of the same code, values and tensor kinds was: it gets that
+    program over its own tensors, and the kernel reads them."""
+    from flexgen.frontend import trace as T
+
+    def document(doc, shift):
+        def doc_mask(b, h, q_idx, kv_idx):
+            return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx + shift)
+        return doc_mask
+
+    traced = []
+    monkeypatch.setattr(T, "trace", lambda mod, kind, real=T.trace: traced.append(mod) or real(mod, kind))
+    L = 96
+    first_doc, second_doc = torch.arange(L) // 40, torch.arange(L) // 25
+    offset = torch.zeros((), dtype=torch.int32)
+    first = T.trace_cached(document(first_doc, offset), "mask_mod")
+    mod = document(second_doc, torch.ones((), dtype=torch.int32))
+    second = T.trace_cached(mod, "mask_mod")
+    assert len(traced) == 1 and second.graph == first.graph
+    assert second.buffers[0] is second_doc and second.buffers[1] is mod.__closure__[1].cell_contents
+    q, k, v = make_qkv(B=1, H=2, L=L, D=16)
+    bm = create_block_mask(mod, None, None, L, L)
+    run_and_check(q, k, v, block_mask=bm)
+
+    # What the trace reads differs: a value, a tensor's kind or layout, one tensor read twice.
+    for other in (document(first_doc.to(torch.int16), offset), document(first_doc[:64], offset),
+                  document(first_doc, 1), document(first_doc, -0.0), document(first_doc, 0.0)):
+        T.trace_cached(other, "mask_mod")
+    assert len(traced) == 6
+
+    def pair(a, b):
+        def two(score, b_, h, q_idx, kv_idx):
+            return score + a[h] - b[h]
+        return two
+    x, y = torch.randn(2), torch.randn(2)
+    assert len(T.trace_cached(pair(x, x), "score_mod").buffers) == 1
+    assert len(T.trace_cached(pair(x, y), "score_mod").buffers) == 2   # traced: another shape
+    assert len(traced) == 8
+
+
+def test_the_shape_memo_keeps_no_tensor_alive():
+    import gc
+    import weakref
+    from flexgen.frontend import trace as T
+
+    def biased(bias):
+        def bias_mod(score, b, h, q_idx, kv_idx):
+            return score + bias[h]
+        return bias_mod
+    bias = torch.randn(3)
+    alive = weakref.ref(bias)
+    T.trace_cached(biased(bias), "score_mod")
+    T._RECENT.clear()
+    del bias
+    gc.collect()
+    assert alive() is None
+    assert T.trace_cached(biased(torch.randn(3)), "score_mod").buffers[0].shape == (3,)
+
+
 class _Config:
     scale = 2.0
 

@@ -2,6 +2,7 @@
 very same objects (``flexgen.frontend.trace.trace_cached`` uses them)."""
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import types
 
@@ -23,6 +24,10 @@ from .torch_functions import _FUNCTIONS
 # mod is traced on every call (correct, slower). torch.compile traces every time and
 # guards on what the mod read itself.
 _RECENT: dict = {}             # id(mod) -> (mod, kind, checks, traced)
+# Each entry keeps its mod alive, and with it the tensors the mod captured: a loop that makes
+# a mod per step (a document mask per batch) would keep that many batches' tensors. Such mods
+# find their program through the shape memo below, so few entries do.
+RECENT_MAX = 256
 _STABLE_VALUES = (int, float, bool, str, bytes, type(None), torch.Tensor, torch.dtype, torch.device,
                   types.BuiltinFunctionType, type(Ellipsis))
 _LIBRARY_MODULES = ("torch", "math", "operator", "numpy", "flexgen", "builtins", "functools",
@@ -104,6 +109,81 @@ def _checks(mod, out: list, depth: int = 0) -> bool:
         elif not _pinned(value):
             return False
     return True
+
+
+# ---------------------------------------------------------------------------- the shape memo
+#
+# A mod made afresh at each call, of the same functions over new tensors (transformers builds
+# its mask closures at every forward; a training loop makes a document mask per batch), is a
+# new object: the memo above misses and tracing costs more than the rest of the mask's build.
+# Two such mods compute the same program when they read the same code, the same values where
+# they read values, and tensors of the same kind at the same places: their shape (below).
+# The program is then the first one's, over the second one's tensors.
+_SHAPES: dict = {}             # (kind, shape) -> (the trace without its tensors, where each was read)
+
+
+def shape_of(mod, checks: list):
+    """(the shape of what ``mod`` reads, the tensors it reads in order of first reading), or
+    None where it cannot be pinned. ``checks``: what ``_checks(mod, checks)`` gave (True)."""
+    key, tensors, first = [getattr(mod, "__name__", None)], [], {}
+
+    def shape(value):
+        if isinstance(value, torch.Tensor):
+            at = first.setdefault(id(value), len(tensors))
+            if at == len(tensors):
+                tensors.append(value)
+            # What a trace reads of a tensor: its kind and layout (never its values), and
+            # which other reads are this very tensor (one buffer slot, not two).
+            return ("tensor", at, type(value), value.dtype, tuple(value.shape), value.stride(),
+                    value.device, value.requires_grad)
+        if inspect.isfunction(value):
+            return ("function",)              # (its own reads follow in ``checks``)
+        if isinstance(value, tuple):
+            return ("tuple",) + tuple(shape(v) for v in value)
+        if isinstance(value, dict):
+            return ("dict",) + tuple(value)   # (its entries follow in ``checks``)
+        if isinstance(value, float):
+            return (float, repr(value))       # -0.0 and 0.0 are two programs
+        if isinstance(value, frozenset) and any(isinstance(v, torch.Tensor) or inspect.isfunction(v)
+                                                for v in value):
+            raise TypeError                   # (no order to place them in)
+        return (type(value), value)           # a code object, a number, a library object...
+
+    try:
+        key.extend(shape(value) for _, _, value in checks)
+        return tuple(key), tensors
+    except (TypeError, RuntimeError):         # unhashable, or a tensor without strides
+        return None
+
+
+def remember_shape(kind: str, shape, traced) -> None:
+    """Keep ``traced`` (a trace of a mod whose ``shape_of`` is ``shape``) for mods of that shape."""
+    key, tensors = shape
+    where = {id(t): i for i, t in enumerate(tensors)}
+    if any(id(b) not in where for b in traced.buffers):
+        return                   # a buffer the walk does not reach (made by the mod itself)
+    try:
+        hash(key)
+    except TypeError:
+        return
+    if len(_SHAPES) >= 4096:
+        _SHAPES.clear()
+    # Without its tensors: the entry must not keep a batch's tensors alive.
+    _SHAPES[(kind, key)] = (dataclasses.replace(traced, buffers=()),
+                            tuple(where[id(b)] for b in traced.buffers))
+
+
+def recall_shape(kind: str, shape):
+    """The trace of a mod of ``shape`` over its own tensors, or None."""
+    key, tensors = shape
+    try:
+        hit = _SHAPES.get((kind, key))
+    except TypeError:
+        return None
+    if hit is None:
+        return None
+    traced, where = hit
+    return dataclasses.replace(traced, buffers=tuple(tensors[i] for i in where))
 
 
 def _unchanged(checks) -> bool:

@@ -51,7 +51,8 @@ import traceback
 import torch
 
 from ..errors import TraceError, reported
-from .memo import _RECENT, _checks, _unchanged
+from .memo import (_RECENT, _SHAPES, RECENT_MAX, _checks, _unchanged, recall_shape, remember_shape,
+                   shape_of)
 # Re-exported: the rest of flexgen and the tests import these from here.
 from .program import (  # noqa: F401
     ARGS, BINARY, COMPARISONS, DECAY_ARGS, DTYPE_NAMES, DTYPE_OF_KIND, FEATURE_ARGS, FLOAT_ARGS,
@@ -148,16 +149,25 @@ def trace(mod, kind: str) -> TracedMod:
 
 
 def trace_cached(mod, kind: str) -> TracedMod:
-    """``trace(mod, kind)``, reusing the last trace while nothing the mod reads has changed."""
+    """``trace(mod, kind)``, reusing the last trace while nothing the mod reads has changed, or
+    a trace of a mod of the same shape (``memo.shape_of``) over this one's tensors."""
     if torch.compiler.is_compiling():
         return trace(mod, kind)
     recent = _RECENT.get(id(mod))
     if recent is not None and recent[0] is mod and recent[1] == kind and _unchanged(recent[2]):
         return recent[3]
-    traced = trace(mod, kind)
     checks: list = []
-    if not traced.derived and _checks(mod, checks):
-        if len(_RECENT) >= _MEMO_MAX:
+    pinned = _checks(mod, checks)
+    shape = shape_of(mod, checks) if pinned else None
+    traced = None if shape is None else recall_shape(kind, shape)
+    if traced is None:
+        traced = trace(mod, kind)
+        if traced.derived:
+            return traced
+        if shape is not None:
+            remember_shape(kind, shape, traced)
+    if pinned:
+        if len(_RECENT) >= RECENT_MAX:
             _RECENT.clear()
         # The entry holds the mod, so its id is not reused while the entry lives.
         _RECENT[id(mod)] = (mod, kind, tuple(checks), traced)
@@ -167,4 +177,5 @@ def trace_cached(mod, kind: str) -> TracedMod:
 def clear_memos() -> None:
     """Forget every memoized trace and parsed program (``flexgen.clear_caches``)."""
     _RECENT.clear()
+    _SHAPES.clear()
     _PARSED.clear()
