@@ -420,9 +420,35 @@ def test_mask_build_op_counts(name, most):
            "document": M.document_mask(M.doc_ids_from_lengths([1000, 1, 900, 77, 2118])[None])}[name]
     B = 1 if name == "document" else None
     create_block_mask(mod, B, None, L, L, device="cpu")           # traced, lowered, compiled once
+    flexgen.masks.builder._LISTS.clear()      # (a mask capturing no tensor would come back built)
     with _CountOps() as counted:
         create_block_mask(mod, B, None, L, L, device="cpu")
     assert len(counted.ops) <= most, counted.ops
+
+
+def test_a_mask_capturing_no_tensor_is_built_once_per_size():
+    """Its lists are a function of its program and the sizes: a loop that builds it at every
+    step gets the same lists back (no op runs), as does another function of the same program;
+    other sizes, or a mask reading a tensor (whose values may change), are built."""
+    def window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < 100)
+
+    first = create_block_mask(window, None, None, 300, 300, device="cpu")
+    with _CountOps() as counted:
+        again = create_block_mask(lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & (q_idx - kv_idx < 100),
+                                  None, None, 300, 300, device="cpu")
+    assert counted.ops == [] and again.kv_indices.data_ptr() == first.kv_indices.data_ptr()
+    assert again.mask_mod is not first.mask_mod
+    other = create_block_mask(window, 2, None, 300, 300, device="cpu")
+    assert other.kv_indices.data_ptr() != first.kv_indices.data_ptr()
+    check_mask(window, 2, None, 300, 300, 128)
+    limit = torch.tensor(100)
+    reading = [create_block_mask(lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & (q_idx - kv_idx < limit),
+                                 None, None, 300, 300, device="cpu") for _ in range(2)]
+    assert reading[0].kv_indices.data_ptr() != reading[1].kv_indices.data_ptr()
+    flexgen.clear_caches()
+    assert create_block_mask(window, None, None, 300, 300, device="cpu").kv_indices.data_ptr() \
+        != first.kv_indices.data_ptr()
 
 
 MEMORY_SCRIPT = textwrap.dedent("""

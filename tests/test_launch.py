@@ -495,7 +495,10 @@ def test_a_replay_is_only_for_the_same_captured_tensors_and_mask_lists(fake_gpu,
         return lambda score, b, h, q_idx, kv_idx: score + bias[h]
 
     first, second = torch.randn(2), torch.randn(2)
-    masks = [flexgen.create_block_mask(_causal, None, None, 40, 40, device="cpu") for _ in range(2)]
+    masks = []
+    for _ in range(2):       # two builds with lists of their own (a mask capturing no tensor shares them)
+        flexgen.masks.builder._LISTS.clear()
+        masks.append(flexgen.create_block_mask(_causal, None, None, 40, 40, device="cpu"))
     flexgen.flex_attention(q, k, v, score_mod=with_bias(first), block_mask=masks[0])
     flexgen.flex_attention(q, k, v, score_mod=with_bias(second), block_mask=masks[0])
     flexgen.flex_attention(q, k, v, score_mod=with_bias(first), block_mask=masks[1])

@@ -18,7 +18,7 @@ from ..errors import expected, reported
 from ..mods.combinators import noop_mask
 from .states import FULL, PARTIAL
 from . import torch_compat
-from .builder import fill_lists, hits_of_states, layout
+from .builder import fill_lists, hits_of_states, layout, tensor_free_lists
 from .torch_compat import LIST_NAMES
 
 
@@ -280,6 +280,13 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
         # arithmetic), giving a mask to plan shapes with; so does this one: the op's
         # layout, nothing evaluated (the builder's nonzero has no meta kernel).
         buf = torch.empty(lay.size, dtype=torch.int32, device=device)
+    elif not traced.buffers and not torch.compiler.is_compiling():
+        # Shared by every build of this program and sizes (the kernels never write the lists);
+        # the program's first line, which names the function, plays no part in them.
+        program = traced.graph.partition(";")[2]
+        buf = tensor_free_lists((program, Bn, Hn, Q_LEN, KV_LEN, q_block, kv_block, device),
+                                lambda: call_block_mask((), traced.graph, Bn, Hn, Q_LEN, KV_LEN,
+                                                        q_block, kv_block, device))
     else:
         buf = call_block_mask(traced.buffers, traced.graph, Bn, Hn, Q_LEN, KV_LEN, q_block, kv_block,
                               device)

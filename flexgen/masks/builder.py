@@ -270,6 +270,26 @@ def compile_on_first_build():
 def clear_memos() -> None:
     """Forget which masks were built (``flexgen.clear_caches``): each is built once more with torch ops."""
     _BUILT.clear()
+    _LISTS.clear()
+
+
+# The lists of masks that capture no tensor, a function of the mask's program and the sizes
+# alone: (program, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device) -> the lists' buffer. A loop
+# that builds its mask at every step (transformers does, at every forward) gets the same lists
+# back, at the same addresses, which the kernels' launch replays key on, and builds nothing.
+_LISTS: dict = {}
+_LISTS_MAX = 64
+
+
+def tensor_free_lists(key: tuple, build):
+    """The lists' buffer of a mask that captures no tensor, ``build()`` the first time."""
+    buf = _LISTS.get(key)
+    if buf is None:
+        buf = build()
+        if len(_LISTS) >= _LISTS_MAX:
+            _LISTS.clear()
+        _LISTS[key] = buf
+    return buf
 
 
 def _dense_inputs(traced, hit, Q_LEN, KV_LEN, q_block, kv_block, every=False) -> dict:
