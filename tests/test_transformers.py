@@ -217,6 +217,21 @@ def test_block_mask_equals_transformers_mask(q_length, kv_length, q_offset, kv_o
     assert torch.equal(got, want.expand_as(got))
 
 
+def test_masks_without_cache_offsets_are_built_once():
+    """Training and a first prefill pass offsets of 0 (ints): the mask is transformers' own
+    function, reading no offset tensor, so every step's mask comes back with the same lists
+    (at the same addresses, which the kernels' launch replays key on)."""
+    from flexgen.frontend.trace import trace
+    from transformers import masking_utils as hf
+    args = dict(batch_size=2, q_length=300, kv_length=300, q_offset=0, kv_offset=0,
+                mask_function=hf.sliding_window_causal_mask_function(50))
+    first, second = (flexgen_hf.flexgen_mask(**args, device="cpu") for _ in range(2))
+    assert trace(first.mask_mod, "mask_mod").buffers == ()
+    assert first.kv_indices.data_ptr() == second.kv_indices.data_ptr()
+    got = flexgen.create_mask(second.mask_mod, 2, 1, 300, 300, device="cpu")
+    assert torch.equal(got, hf.sdpa_mask(**args, attention_mask=None, allow_is_causal_skip=False).expand_as(got))
+
+
 # The float mask's finfo.min (what transformers' eager masks hold) times log2(e) overflows
 # to -inf in the interpreter's numpy, which says so; on a GPU it is -inf silently.
 @pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")

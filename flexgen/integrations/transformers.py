@@ -86,10 +86,14 @@ def flexgen_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
         mask_function = and_masks(mask_function, padding_mask_function(padding))
     # The offsets enter the mask as 0-d tensors, runtime scalars of the kernels: as Python
     # ints they would be constants of the mask's program, and every decode step (a new
-    # offset) would compile a new kernel. Prefill and decode then share one program too.
+    # offset) would compile a new kernel. Without a cache (training, a first prefill) they
+    # are the int 0 and the mask is HF's function itself: captures no tensor, so the same
+    # lists come back for every step (create_block_mask), and the kernels' partial tiles
+    # read no offsets.
     device = torch.device(device)
-    mask_function = add_offsets_to_mask_function(mask_function, _scalar(q_offset, device),
-                                                 _scalar(kv_offset, device))
+    if not (_is_int_zero(q_offset) and _is_int_zero(kv_offset)):
+        mask_function = add_offsets_to_mask_function(mask_function, _scalar(q_offset, device),
+                                                     _scalar(kv_offset, device))
     mask = create_block_mask(mask_function, batch_size, None, q_length, kv_length, device=device)
     return GenerationBlockMask(*(getattr(mask, n) for n in LIST_NAMES), mask.BLOCK_SIZE,
                                mask.mask_mod, mask.seq_lengths)
@@ -106,6 +110,10 @@ class GenerationBlockMask(BlockMask):
 
     def contiguous(self) -> "GenerationBlockMask":
         return self
+
+
+def _is_int_zero(offset) -> bool:
+    return not isinstance(offset, torch.Tensor) and offset == 0
 
 
 def _scalar(offset, device) -> torch.Tensor:
