@@ -265,7 +265,7 @@ def test_gluon_backward_compiles_for_sm90(as_if_hopper, monkeypatch, name, part)
 def test_auto_fuses_soft_capping_and_plain_rows_at_head_dim_128(as_if_hopper, monkeypatch, D):
     """AUTO (GLUON_FUSED None) takes the fused kernel for soft-capping (its derivative is not a
     constant) and, at head dim 128, without a score_mod under masks that read no captured
-    tensor; not for ALiBi (a tile of both positions), a document mask at head dim 128 or plain
+    tensor where its grid is 8 waves or more; not for ALiBi (a tile of both positions), a document mask at head dim 128 or plain
     rows at 64, nor where the backward must be deterministic or a captured tensor wants a
     gradient."""
     monkeypatch.setattr(plan_module, "GLUON_FUSED", None)
@@ -284,6 +284,12 @@ def test_auto_fuses_soft_capping_and_plain_rows_at_head_dim_128(as_if_hopper, mo
         assert backward_plan(q, k, v, M.tanh_softcap(30.0), bm, options=None)[1].gluon_fused is None
     finally:
         torch.use_deterministic_algorithms(False)
+    # Plain rows in a grid of few waves (Llama's training shape: 8 KV heads x 64 programs of
+    # 128 keys, 3.9 waves on 132 SMs) take the two kernels; soft-capping still fuses.
+    few = make_qkv(B=1, H=16, Hkv=8, L=8192, D=D, dtype=torch.bfloat16)
+    causal = create_block_mask(M.causal_mask, None, None, 8192, 8192, device="cpu")
+    assert backward_plan(*few, None, causal, options=None)[1].gluon_fused is None
+    assert backward_plan(*few, M.tanh_softcap(30.0), causal, options=None)[1].gluon_fused is not None
     small = make_qkv(B=1, H=2, L=1024, D=D, dtype=torch.bfloat16)
     assert backward_plan(*small, M.tanh_softcap(30.0), options=None)[1].gluon_fused is None
     assert backward_plan(*small, M.tanh_softcap(30.0), options={"BACKEND": "tl"})[1].gluon_fused is None

@@ -266,10 +266,14 @@ BLOCK_MAJOR_WAVES = 8
 CPU_SMS = 132           # (the interpreter: as an H100, so small test grids take block-major)
 
 
+def waves(programs: int, device: torch.device) -> float:
+    """How many waves of one program per multiprocessor ``programs`` make on ``device``."""
+    return programs / (sm_count(device) if device.type == "cuda" else CPU_SMS)
+
+
 def block_major(programs: int, device: torch.device) -> bool:
     """Whether a grid of ``programs`` attention programs on ``device`` is taken block-major."""
-    sms = sm_count(device) if device.type == "cuda" else CPU_SMS
-    return programs <= BLOCK_MAJOR_WAVES * sms
+    return waves(programs, device) <= BLOCK_MAJOR_WAVES
 
 
 # spec key -> the smaller spec that fits: a mod that keeps more tiles live (a

@@ -31,7 +31,7 @@ from ..errors import expected
 from ..frontend.lowering import lower
 from ..frontend.trace import TracedMod
 from ..kernels.decode import decode_geometry, deep_stages, next_pow2
-from . import tuning
+from . import launch, tuning
 from .checks import DTYPES, check_heads, check_tensor
 from .options import KernelOptions
 from .plan_checks import Mask, check_captured, check_mask, check_qkv, check_varlen  # (re-exported)
@@ -94,11 +94,15 @@ GLUON_DQ_AUTO = True
 #   tensor: its warpgroups share one dSᵀ tile and issue dQ's product before dK's there. H200,
 #   whole backward at 16k against the two kernels: full 11.15 against 12.24 ms, causal 6.05
 #   against 6.18, a 1024-key window 1.03 against 1.25, prefix LM even; a document mask (doc
-#   ids read per position, in step across the warpgroups) 1.98 against 1.66.
+#   ids read per position, in step across the warpgroups) 1.98 against 1.66. Where its grid
+#   (a program per 128 keys of a KV head) is under GLUON_FUSED_MIN_WAVES waves, the two
+#   kernels' tail is shorter: Llama's training shape (16 over 8 KV heads, 8k, causal; 3.9
+#   waves) fused 1.64-1.67 ms against 1.58-1.61.
 # At head dim 64 the two kernels stay ahead without a score_mod (full 6.70 against 6.64 ms,
 # causal 3.42 against 3.37; a document mask fused 1.06 against 1.14). Measurements:
 # benchmarks/NOTES.md, "Fused backward" and 2026-11-27. True: wherever it can run; False: never.
 GLUON_FUSED = None
+GLUON_FUSED_MIN_WAVES = 8
 # Its query rows per step (BLOCK_M1 sets them): dQ's chunks beside dK and dV spill at 128.
 GLUON_FUSED_BLOCK_M = {64: 64, 128: 64}
 LARGE_SPARSE_BLOCK = 1 << 30     # torch's "no block mask" marker (_create_empty_block_mask)
@@ -544,7 +548,9 @@ def plan_backward(plan: AttentionPlan, query, key, value, grad_slots: tuple):
                     or _narrow_band(plan.mask, 64)))):
                 gluon_dq = None
         fused = None
-        if (opts.BACKEND == "gluon" or gluon is not None or gluon_dq is not None) and _fuses(bw, deterministic):
+        fused_waves = launch.waves(plan.B * plan.Hkv * -(-plan.Lkv // 128), plan.device)
+        if (opts.BACKEND == "gluon" or gluon is not None or gluon_dq is not None) and _fuses(
+                bw, deterministic, fused_waves):
             fused, _ = gluon_backward_spec(plan, query, key, value, dataclasses.replace(bw.dkdv, part="fused"))
         hit = plan.backward[(grad_slots, deterministic)] = dataclasses.replace(
             bw, gluon_dkdv=gluon, gluon_dq=gluon_dq, gluon_fused=fused,
@@ -552,13 +558,16 @@ def plan_backward(plan: AttentionPlan, query, key, value, grad_slots: tuple):
     return hit
 
 
-def _fuses(bw, deterministic: bool) -> bool:
-    """Whether the fused Gluon backward may take this backward (GLUON_FUSED)."""
+def _fuses(bw, deterministic: bool, waves: float) -> bool:
+    """Whether the fused Gluon backward may take this backward (GLUON_FUSED); ``waves``: its
+    grid's waves of programs over the SMs."""
     if GLUON_FUSED is False or deterministic or bw.dq.scatters:
         return False
     spec = bw.dkdv
-    if GLUON_FUSED or (spec.score is None and spec.qk_head == 128 and not spec.mask_buffers):
+    if GLUON_FUSED:
         return True
+    if spec.score is None and spec.qk_head == 128 and not spec.mask_buffers:
+        return waves >= GLUON_FUSED_MIN_WAVES
     return spec.score is not None and not spec.score_grad_const and not (
         spec.score.free is None or {"q_idx", "kv_idx"} <= set(spec.score.free))
 
