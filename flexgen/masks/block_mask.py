@@ -283,7 +283,8 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     elif not traced.buffers and not torch.compiler.is_compiling():
         # Shared by every build of this program and sizes (the kernels never write the lists);
         # the program's first line, which names the function, plays no part in them.
-        program = traced.graph.partition(";")[2]
+        from ..frontend.program import LINE_END
+        program = traced.graph.partition(LINE_END)[2]
         buf = tensor_free_lists((program, Bn, Hn, Q_LEN, KV_LEN, q_block, kv_block, device),
                                 lambda: call_block_mask((), traced.graph, Bn, Hn, Q_LEN, KV_LEN,
                                                         q_block, kv_block, device))
