@@ -14,7 +14,6 @@ call written for torch runs unchanged; an unknown key or a wrong value is an
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, fields
 
 from ..errors import expected, reported
@@ -66,10 +65,9 @@ class KernelOptions:
     NUM_SPLITS: int | None = None
     BACKEND: str = "AUTO"
 
-    @functools.cached_property
+    @property
     def text(self) -> str:
-        """The canonical text of the options that are set (what ops carry and planners key on;
-        read at every call, worked out once per options object)."""
+        """The canonical text of the options that are set (what ops carry and planners key on)."""
         return ";".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self)
                         if getattr(self, f.name) is not None and not (f.name == "BACKEND"
                                                                       and self.BACKEND == "AUTO"))
