@@ -97,7 +97,7 @@ GLUON_DQ_AUTO = True
 #   ids read per position, in step across the warpgroups) 1.98 against 1.66. Where its grid
 #   (a program per 128 keys of a KV head) is under GLUON_FUSED_MIN_WAVES waves, the two
 #   kernels' tail is shorter: Llama's training shape (16 over 8 KV heads, 8k, causal; 3.9
-#   waves) fused 1.64-1.67 ms against 1.58-1.61.
+#   waves) fused 1.64-1.67 ms against 1.58-1.61 (AUTO's rule: BACKEND "gluon" fuses there).
 # At head dim 64 the two kernels stay ahead without a score_mod (full 6.70 against 6.64 ms,
 # causal 3.42 against 3.37; a document mask fused 1.06 against 1.14). Measurements:
 # benchmarks/NOTES.md, "Fused backward" and 2026-11-27. True: wherever it can run; False: never.
@@ -548,7 +548,9 @@ def plan_backward(plan: AttentionPlan, query, key, value, grad_slots: tuple):
                     or _narrow_band(plan.mask, 64)))):
                 gluon_dq = None
         fused = None
-        fused_waves = launch.waves(plan.B * plan.Hkv * -(-plan.Lkv // 128), plan.device)
+        # (a size rule, AUTO's alone, as GLUON_BACKWARD_MIN_SCORES is)
+        fused_waves = (launch.waves(plan.B * plan.Hkv * -(-plan.Lkv // 128), plan.device)
+                       if opts.BACKEND == "AUTO" else float("inf"))
         if (opts.BACKEND == "gluon" or gluon is not None or gluon_dq is not None) and _fuses(
                 bw, deterministic, fused_waves):
             fused, _ = gluon_backward_spec(plan, query, key, value, dataclasses.replace(bw.dkdv, part="fused"))
