@@ -15,7 +15,7 @@ import torch.utils._python_dispatch
 
 from flexgen import create_block_mask
 
-from flexgen.masks import builder
+from flexgen.masks import block_mask, builder
 
 from flexgen.masks import bounds
 
@@ -267,6 +267,8 @@ def test_threshold_counts_elements(monkeypatch):
     elements = int((states == bounds.UNDECIDED).sum()) * 64 * 32
     assert elements > 0
     monkeypatch.setattr(mask_eval, "TORCH_MAX_ELEMENTS", elements)
+    # (every build a build: a mask capturing no tensor is otherwise built once per size)
+    monkeypatch.setattr(block_mask, "tensor_free_lists", lambda key, build: build())
     _forbid(monkeypatch, launch, "run")
     create_block_mask(mask_mod, None, None, 256, 128, device="cpu", BLOCK_SIZE=(64, 32))
     monkeypatch.setattr(mask_eval, "TORCH_MAX_ELEMENTS", elements - 1)
@@ -310,11 +312,12 @@ class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
 
 @pytest.fixture
 def sync_free(monkeypatch):
-    """The CPU treated as a GPU (``builder.SYNC_FREE_DEVICES``), no mask built yet in the process;
-    yields the list of block-mask launches (dense or not: True or False; "lists" for the
-    lists kernel's)."""
+    """The CPU treated as a GPU (``builder.SYNC_FREE_DEVICES``), no mask built yet in the process
+    and every build a build (a mask capturing no tensor is otherwise built once per size); yields
+    the list of block-mask launches (dense or not: True or False; "lists" for the lists kernel's)."""
     monkeypatch.setattr(builder, "SYNC_FREE_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(builder, "_BUILT", set())
+    monkeypatch.setattr(block_mask, "tensor_free_lists", lambda key, build: build())
     launched, original = [], launch.run
     monkeypatch.setattr(launch, "run", lambda spec, *a, **k: launched.append(getattr(spec, "dense", "lists"))
                         or original(spec, *a, **k))
