@@ -123,9 +123,10 @@ _SHAPES: dict = {}             # (kind, shape) -> (the trace without its tensors
 
 
 def shape_of(mod, checks: list):
-    """(the shape of what ``mod`` reads, the tensors it reads in order of first reading), or
-    None where it cannot be pinned. ``checks``: what ``_checks(mod, checks)`` gave (True)."""
-    key, tensors, first = [getattr(mod, "__name__", None)], [], {}
+    """(the shape of what ``mod`` reads, a hashable key, and the tensors it reads in order of
+    first reading), or None where it cannot be pinned. ``checks``: what ``_checks(mod, checks)``
+    gave (True)."""
+    tensors, first = [], {}
 
     def shape(value):
         if isinstance(value, torch.Tensor):
@@ -150,10 +151,11 @@ def shape_of(mod, checks: list):
         return (type(value), value)           # a code object, a number, a library object...
 
     try:
-        key.extend(shape(value) for _, _, value in checks)
-        return tuple(key), tensors
+        key = (getattr(mod, "__name__", None),) + tuple(shape(value) for _, _, value in checks)
+        hash(key)
     except (TypeError, RuntimeError):         # unhashable, or a tensor without strides
         return None
+    return key, tensors
 
 
 def remember_shape(kind: str, shape, traced) -> None:
@@ -162,10 +164,6 @@ def remember_shape(kind: str, shape, traced) -> None:
     where = {id(t): i for i, t in enumerate(tensors)}
     if any(id(b) not in where for b in traced.buffers):
         return                   # a buffer the walk does not reach (made by the mod itself)
-    try:
-        hash(key)
-    except TypeError:
-        return
     if len(_SHAPES) >= 4096:
         _SHAPES.clear()
     # Without its tensors: the entry must not keep a batch's tensors alive.
@@ -176,10 +174,7 @@ def remember_shape(kind: str, shape, traced) -> None:
 def recall_shape(kind: str, shape):
     """The trace of a mod of ``shape`` over its own tensors, or None."""
     key, tensors = shape
-    try:
-        hit = _SHAPES.get((kind, key))
-    except TypeError:
-        return None
+    hit = _SHAPES.get((kind, key))
     if hit is None:
         return None
     traced, where = hit

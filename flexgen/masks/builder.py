@@ -285,8 +285,7 @@ def tensor_free_lists(key: tuple, build):
     """The lists' buffer of a mask that captures no tensor, ``build()`` the first time. Under a
     tensor mode (a FakeTensorMode planning shapes, say) the build is its own: its tensors are
     the mode's, and a real one kept here is not for the mode."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-    if _get_current_dispatch_mode() is not None:
+    if torch._C._len_torch_dispatch_stack():          # (as ops._plain tells a mode)
         return build()
     buf = _LISTS.get(key)
     if buf is None:
