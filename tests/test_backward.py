@@ -363,6 +363,36 @@ def test_larger_gradients_on_gpu(dtype, D):
         _check(f"D={D} {dtype} {name}", a.cpu(), b.cpu(), 2e-2)
 
 
+@pytest.mark.parametrize("tiles", [(32, 32), (32, 16), (16, 32)], ids=["square", "tall", "wide"])
+def test_relative_bias_gradient_sums_every_diagonal(tiles):
+    """A gradient indexed by q_idx - kv_idx is summed per tile diagonal before its atomics
+    (the tile rotated along its longer side, each diagonal before or after its wrap): every
+    diagonal of square, tall and wide dQ tiles, both signs, a ragged length and a document
+    mask's partial tiles, against the float64 oracle."""
+    B, H, L, D = 2, 2, 83, 16
+    q, k, v = (torch.randn(B, H, L, D, requires_grad=True) for _ in range(3))
+    table = torch.randn(H, 2 * L - 1, requires_grad=True)
+    docs = torch.arange(L) // 29
+
+    def relative(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + L - 1]
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return docs[q_idx] == docs[kv_idx]
+
+    mask = create_block_mask(same_doc, 1, 1, L, L, device="cpu", BLOCK_SIZE=32)
+    out = flex_attention(q, k, v, score_mod=relative, block_mask=mask,
+                         kernel_options={"BLOCK_M2": tiles[0], "BLOCK_N2": tiles[1]})
+    d_out = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, table), d_out)
+    q64, k64, v64, t64 = (t.detach().double().requires_grad_() for t in (q, k, v, table))
+    ref = flex_attention_reference(q64, k64, v64, lambda s, b, h, qi, kv: s + t64[h, qi - kv + L - 1],
+                                   same_doc)
+    want = torch.autograd.grad(ref, (q64, t64), d_out.double())
+    for name, g, w in zip(("dq", "table"), got, want):
+        _check(f"{tiles} {name}", g, w, 1e-4)
+
+
 def test_deterministic_mode_sums_buffer_gradients_in_fixed_point(monkeypatch):
     """Under torch.use_deterministic_algorithms(True) a learned buffer's gradient is summed
     in int64 fixed point (order-independent, so reproducible bit for bit on a GPU, where

@@ -48,7 +48,7 @@ from .snippet import Snippet
 SIGMOID_REVISION = 4
 TEMPLATE_VERSIONS = {"forward": 11, "forward_gluon": 9, "backward_gluon": 10, "backward_delta": 1, "block_mask": 5,
                      "block_lists": 2, "decode": 4, "decode_merge": 2, "paged_write": 3,
-                     "backward": 11, "linear": 5, "linear_decode": 2}
+                     "backward": 12, "linear": 5, "linear_decode": 2}
 
 
 def pad_head_dim(d: int) -> int:
