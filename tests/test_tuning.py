@@ -92,6 +92,21 @@ def test_table_lookup_order(monkeypatch):
     assert tuning.table_row("forward", 128, "bfloat16", CUDA)["BLOCK_N"] == 128
 
 
+def test_a_gpu_on_another_s_die_takes_its_rows(monkeypatch):
+    """An H200 (the H100's die) takes the H100's rows where it has none of its own, and its
+    own row first where it has one; a GPU of another die keeps the defaults."""
+    h100 = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2)
+    h200 = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
+    monkeypatch.setattr(tuning, "TUNED", {("forward", "H100", "bfloat16", 128): h100,
+                                          ("forward:dense", "H200", "bfloat16", 128): h200})
+    monkeypatch.setattr(tuning, "gpu_name", lambda device: "H200")
+    assert tuning.table_row("forward", 128, "bfloat16", CUDA) == h100
+    assert tuning.table_row("forward:dense", 128, "bfloat16", CUDA) == h200
+    assert tuning.table_row("forward:transcendental", 128, "float16", CUDA) == h100
+    monkeypatch.setattr(tuning, "gpu_name", lambda device: "A100")
+    assert tuning.table_row("forward", 128, "bfloat16", CUDA) == tuning.DEFAULTS["forward"][128]
+
+
 def test_checked_in_table_is_well_formed():
     for (kernel, gpu, dtype, head), config in tuning.TUNED.items():
         assert kernel in tuning.KERNELS and dtype in DTYPES.values() and head in (64, 128, 256)

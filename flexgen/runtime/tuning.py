@@ -86,13 +86,22 @@ TUNED: dict = {
     # A dQ kernel that also scatters captured tensors' gradients (which the autotuner cannot
     # search: its atomics would add once per candidate): with a learned rel[h, q - kv] under a
     # document mask (B=2, H=8, 4k) 0.383 ms against 0.501 for the row above (32x64 0.391,
-    # 64x32 0.406, 128x32 0.455; results/bias_tiles_h100_20261125.txt).
-    ("backward.dq:scatter", "H100", "bfloat16", 128): dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=3),
+    # 64x32 0.406, 128x32 0.455; results/bias_tiles_h100_20261125.txt). Since the diagonal
+    # sums rotate the tile (backward template 12), 4 warps and 2 stages: 0.153 ms against
+    # 0.251 with 8 warps and 3 stages (64x32 0.154, 32x32 0.227, 32x64 0.255; H200,
+    # results/small_attention_h200_20261127e.txt).
+    ("backward.dq:scatter", "H100", "bfloat16", 128): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
     # Once the backward dropped its bounds checks for block-aligned lengths (EVEN), 128x64 ran
     # 16% slower than 64x64 on full and 6% faster on causal, 16k (results/ab_backward_even_h100_20261123.log).
     ("backward.dkdv", "H100", "bfloat16", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
     ("backward.dkdv", "H100", "bfloat16", 128): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),  # 0%
 }
+
+
+# GPUs built on another's compute die (the same SMs, shared memory and register file, so the
+# same best tiles; memory and clocks differ) take its rows where the table has none of their
+# own: an H200 is an H100's GH100 die with HBM3e.
+SAME_DIE = {"H200": "H100", "H800": "H100", "GH200": "H100"}
 
 
 def gpu_name(device: torch.device) -> str:
@@ -140,10 +149,11 @@ def table_row(kernel: str, head_dim: int, dtype: str, device: torch.device) -> d
     gpu = gpu_name(device)
     # fp16 and bf16 tiles cost the same: one stands in for the other.
     for name in dict.fromkeys((kernel, base)):
-        for dt in (dtype, {"bfloat16": "float16", "float16": "bfloat16"}.get(dtype)):
-            row = TUNED.get((name, gpu, dt, padded))
-            if row is not None:
-                return dict(row)
+        for chip in dict.fromkeys((gpu, SAME_DIE.get(gpu, gpu))):
+            for dt in (dtype, {"bfloat16": "float16", "float16": "bfloat16"}.get(dtype)):
+                row = TUNED.get((name, chip, dt, padded))
+                if row is not None:
+                    return dict(row)
     if dtype == "float32" and (base, padded) in FLOAT32:
         return dict(FLOAT32[(base, padded)])
     return dict(next(DEFAULTS[base][d] for d in (64, 128, 256) if head_dim <= d))
