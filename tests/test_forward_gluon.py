@@ -76,6 +76,30 @@ def test_auto_picks_gluon_for_large_calls_only(as_if_hopper):
     assert flexgen.api.plan(*small, kernel_options=GLUON).spec.template == "forward_gluon"
 
 
+def test_auto_takes_gluon_from_fewer_scores_at_head_dim_128(as_if_hopper):
+    """Between GLUON_MIN_SCORES_D128 and GLUON_MIN_SCORES scores AUTO takes the Gluon kernel
+    at head dim 128 where no mod reads a captured tensor (plan.gluon_min_scores); at head dim
+    64, or with a captured tensor, the tl kernel."""
+    L = 4096
+    assert plan_module.GLUON_MIN_SCORES_D128 <= 16 * L * L < plan_module.GLUON_MIN_SCORES
+    bias = torch.randn(16)
+
+    def head_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+
+    causal = create_block_mask(M.causal_mask, None, None, L, L, device="cpu")
+
+    def template(D, **kwargs):
+        q, k, v = make_qkv(B=1, H=16, L=L, D=D, dtype=torch.bfloat16)
+        return flexgen.api.plan(q, k, v, **kwargs).spec.template
+
+    assert template(128, block_mask=causal) == "forward_gluon"
+    assert template(128, score_mod=M.alibi(16)) == "forward_gluon"
+    assert template(128, score_mod=head_bias) == "forward"
+    assert template(128, score_mod=head_bias, kernel_options=GLUON) == "forward_gluon"
+    assert template(64, block_mask=causal) == "forward"
+
+
 def test_auto_keeps_tl_for_narrow_bands_at_head_dim_64(as_if_hopper):
     """AUTO's exception (plan.GLUON_MIN_BAND_D64): a sliding window at head dim 64 keeps the
     tl kernel; the same window at 128, a causal mask at 64 and BACKEND "gluon" do not."""

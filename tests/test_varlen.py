@@ -158,7 +158,7 @@ def test_errors_name_the_argument():
 
 # ------------------------------------------------------------------------- the Gluon kernel (sm_90)
 #
-# Where flex_attention would take the Gluon forward (AUTO from GLUON_MIN_SCORES scores of the
+# Where flex_attention would take the Gluon forward (AUTO from gluon_min_scores() scores of the
 # packed views, or BACKEND "gluon"), varlen takes its varlen form: TMA loads through the packed
 # [1, H, total, D] views, pointer stores of each sequence's rows. Gluon does not run in the
 # interpreter: on CPU the variants compile for sm_90; the oracle comparisons need the GPU.

@@ -46,10 +46,18 @@ TMA_MIN_SCORES = 2 ** 27
 # AUTO picks the Gluon forward kernel on sm_90 where it can run and the caller set no tiles,
 # for calls of at least GLUON_MIN_SCORES scores (B * Hq * Lq * Lkv): the H100 measured it
 # 1.17-1.32x the tl kernel at 16 heads x 16k tokens and 1.13-1.36x at 8k, but its host path
-# (four Gluon descriptors, ~200 us a call) loses to the tl kernel at 2k and in places at 4k
+# (four Gluon descriptors, ~200 us a call) lost to the tl kernel at 2k and in places at 4k
 # (benchmarks/NOTES.md, "Gluon forward").
 GLUON_AUTO = True
 GLUON_MIN_SCORES = 2 ** 30
+# Since launches replay (descriptors copied onto the new tensors) that host path costs what the
+# tl kernel's does, and at head dim 128 an H200 measured the Gluon kernel faster from 2**28
+# scores on: 16 heads, 8 x 2k and 16 x 1k tokens, 7-22% in every variant whose mods read no
+# captured tensor (benchmarks/NOTES.md, 2026-11-27 fifth session). There AUTO takes it from
+# GLUON_MIN_SCORES_D128. At head dim 64 it lost by 2-17% at those sizes; where a mod reads
+# captured tensors (the small model's document mask and learned relative bias, 2 x 8 heads x
+# 4k at 128) it ran 0.90x the tl kernel.
+GLUON_MIN_SCORES_D128 = 2 ** 28
 # Except at head dim 64 under a mask whose band of keys per query (``flexgen.masks.ranges``:
 # a sliding window) is at most GLUON_MIN_BAND_D64 wide: each query tile then visits ~10 key
 # tiles, too few for the Gluon kernel's warp-specialized pipeline to fill and drain at this
@@ -310,7 +318,8 @@ def _plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_
     plan.pointer_spec = spec(False) if use_tma else plan.spec
     plan.tune_blocks = None if opts.sets_tiles else (sparse_q, sparse_kv)
     if (opts.BACKEND == "AUTO" and GLUON_AUTO and not opts.sets_tiles
-            and B * Hq * Lq * Lkv >= GLUON_MIN_SCORES and not _narrow_band(mask, D)):
+            and B * Hq * Lq * Lkv >= gluon_min_scores(D, score_buffers, mask_buffers)
+            and not _narrow_band(mask, D)):
         gluon, _ = _gluon_spec(query, key, value, score, mask, info, opts, proven)
     elif opts.BACKEND != "gluon":
         gluon = None
@@ -321,6 +330,14 @@ def _plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_
         plan.pointer_spec = spec(False)
         plan.tune_blocks = None      # the tl autotuner's tiles are not the Gluon kernel's
     return plan
+
+
+def gluon_min_scores(D: int, score_buffers, mask_buffers) -> int:
+    """The fewest scores for which AUTO takes the Gluon forward kernel at head dim ``D``:
+    GLUON_MIN_SCORES_D128 at 128 where no mod reads a captured tensor, else GLUON_MIN_SCORES."""
+    if D == 128 and not len(score_buffers) and not len(mask_buffers):
+        return GLUON_MIN_SCORES_D128
+    return GLUON_MIN_SCORES
 
 
 def _narrow_band(mask, D: int) -> bool:
@@ -698,11 +715,12 @@ def _plan_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, score_mod, score
     base = plan_attention(*views, score_mod, score_buffers, mask_mod, mask_buffers, (), (), (), scale,
                           enable_gqa, forward, positions=(num_seqs, query.shape[1], longest, total_kv))
     tl = varlen_spec(base.spec, base.mask)
-    # The Gluon kernel as flex_attention takes it (AUTO: from GLUON_MIN_SCORES scores of the
+    # The Gluon kernel as flex_attention takes it (AUTO: from gluon_min_scores() scores of the
     # packed views, no tiles of the caller's; "gluon": always, or an InputError saying why not).
     _, Hq, total_q, _ = views[0].shape
     auto = (opts.BACKEND == "AUTO" and GLUON_AUTO and not opts.sets_tiles
-            and Hq * total_q * views[1].shape[2] >= GLUON_MIN_SCORES
+            and Hq * total_q * views[1].shape[2] >= gluon_min_scores(views[0].shape[3], score_buffers,
+                                                                     mask_buffers)
             and not _narrow_band(base.mask, views[0].shape[-1]))
     if auto or opts.BACKEND == "gluon":
         gluon, why = _gluon_spec(*views, base.score, base.mask, None, opts, base.proven)
