@@ -191,6 +191,11 @@ def bench_small(rows, args, device, dtype):
             step_model = torch.compile(model, fullgraph=True, mode=mode)
 
             def step():
+                if mode is not None:
+                    # A new step: the last one's graph outputs (the loss, the gradients) may be
+                    # overwritten, so the gradients are not accumulated into across steps.
+                    torch.compiler.cudagraph_mark_step_begin()
+                    model.zero_grad(set_to_none=True)
                 loss = step_model(ids, docs)
                 loss.backward()
                 return loss
