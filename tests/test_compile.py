@@ -182,16 +182,47 @@ def test_errors_surface_at_compile_time():
 def test_ops_are_registered_with_fake_implementations():
     """Each op passes torch.library's own checks (schema, fake impl, autograd registration)
     on a representative call."""
+    import flexgen.runtime.ops  # noqa: F401  (registers the ops; flexgen imports it lazily)
+    from flexgen.frontend.trace import trace
     q, k, v = make_qkv(B=B, H=H, L=32, D=D)
     bias = torch.randn(H, 32)
-    traced = flexgen.frontend.trace.trace(lambda s, b, h, qi, kv: s + bias[h, kv], "score_mod")
+    traced = trace(lambda s, b, h, qi, kv: s + bias[h, kv], "score_mod")
     torch.library.opcheck(torch.ops.flexgen.attention.default,
                           (q, k, v, [bias], [], [], traced.graph, "", [], [], 0.25, False, "", False),
                           test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(torch.ops.flexgen.block_mask.default,
-                          ([], flexgen.frontend.trace.trace(causal, "mask_mod").graph, 1, 1, 32, 32,
+                          ([], trace(causal, "mask_mod").graph, 1, 1, 32, 32,
                            16, 16, torch.device("cpu")),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_attention_op_differentiates_once():
+    """The attention op's registered backward runs flexgen::attention_backward, an op with no
+    autograd kernel (the dispatcher's cheapest path): backward(create_graph=True) gives the
+    gradients a plain backward gives, differentiating them again raises, and so does a call
+    of the backward op itself with inputs that want a gradient (never a silent zero)."""
+    import flexgen.runtime.ops  # noqa: F401  (registers the ops; flexgen imports it lazily)
+    from flexgen.frontend.trace import trace
+    q, k, v = (t.requires_grad_() for t in make_qkv(B=B, H=H, L=32, D=D))
+    bias = torch.randn(H, 32, requires_grad=True)
+    graph = trace(lambda s, b, h, qi, kv: s + bias[h, kv], "score_mod").graph
+    args = (q, k, v, [bias], [], [], graph, "", [], [], 0.25, False, "", False)
+    weight = torch.randn(B, H, 32, D, requires_grad=True)   # dO depends on it: it requires grad
+
+    out, lse, _ = torch.ops.flexgen.attention.default(*args)
+    want = torch.autograd.grad((out * weight).sum(), (q, bias))
+    out, lse, _ = torch.ops.flexgen.attention.default(*args)
+    got = torch.autograd.grad((out * weight).sum(), (q, bias), create_graph=True)
+    for g, w in zip(got, want):
+        close(g, w)
+        assert g.requires_grad
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        got[0].sum().backward()
+
+    with pytest.raises(flexgen.FlexgenError, match="attention_backward.*no derivative"):
+        torch.ops.flexgen.attention_backward.default(
+            q, k, v, out, lse, torch.ones_like(out), None, [bias], [], [], graph, "", [], [], 0.25,
+            False, "", [0], True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")

@@ -21,6 +21,7 @@ Outside any tracing, a call that needs no gradient runs the implementation direc
 (the dispatcher's round trip costs ~15 us a call, as much as the rest of a warm call);
 everything else — gradients, fake tensors, torch.compile, torch.export, dispatch
 modes — goes through the op.
+Every op is defined with ``define.op`` (why not ``torch.library.custom_op`` for all: there).
 The other families live in submodules, each registered when first imported (by its
 API function): ``ops.serving`` (decode, paged_write, paged_write_rope), ``ops.sigmoid``,
 ``ops.varlen``, ``ops.linear``. Defining a custom op costs ~4 ms (~10 ms on the H100's
@@ -41,6 +42,7 @@ with collector.paused():        # a process's first import of the kernels, the p
     from ...kernels.forward import run_forward
     from ...masks import builder
     from ..plan import out_strides, plan_attention, plan_backward
+from .define import once_differentiable, op
 
 _PLAIN = (Tensor, torch.nn.Parameter)
 
@@ -92,7 +94,7 @@ def _checks_backward(*tensors) -> bool:
     return not torch.compiler.is_compiling() and _wants_grad(*tensors)
 
 
-@torch.library.custom_op("flexgen::attention", mutates_args=())
+@op("attention", autograd="formula")
 def attention(query: Tensor, key: Tensor, value: Tensor, score_buffers: list[Tensor],
               mask_buffers: list[Tensor], block_lists: list[Tensor], score_mod: str, mask_mod: str,
               block_size: list[int], mask_lengths: list[int], scale: float, enable_gqa: bool,
@@ -184,6 +186,7 @@ def _gradients(ctx, grad_out, grad_lse, needs_qkv, needs_score, through_op: bool
             grads)
 
 
+@once_differentiable
 def _attention_grad(ctx, grad_out, grad_lse, grad_max):
     needs = ctx.needs_input_grad
     _, nm, nl = ctx.counts
@@ -198,7 +201,7 @@ def _attention_grad(ctx, grad_out, grad_lse, grad_max):
 attention.register_autograd(_attention_grad, setup_context=_setup_attention)
 
 
-@torch.library.custom_op("flexgen::attention_backward", mutates_args=())
+@op("attention_backward", autograd="none")
 def attention_backward(query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
                        grad_out: Tensor | None, grad_lse: Tensor | None, score_buffers: list[Tensor],
                        mask_buffers: list[Tensor], block_lists: list[Tensor], score_mod: str,
@@ -297,7 +300,7 @@ def call_attention(query, key, value, score_buffers, mask_buffers, block_lists, 
 # cudagraph_unsafe: building the lists reads values back to the host (the element-wise
 # pass visits only the blocks it must), which a CUDA graph capture cannot contain; under
 # mode="reduce-overhead" torch.compile runs this op outside its graphs.
-@torch.library.custom_op("flexgen::block_mask", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+@op("block_mask", tags=(torch.Tag.cudagraph_unsafe,))
 def block_mask(mask_buffers: list[Tensor], mask_mod: str, B: int, H: int, Q_LEN: int, KV_LEN: int,
                Q_BLOCK: int, KV_BLOCK: int, device: torch.device) -> Tensor:
     """create_block_mask's lists, as one int32 tensor (``flexgen.masks.builder.layout``)."""

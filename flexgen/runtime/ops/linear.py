@@ -8,6 +8,7 @@ from torch import Tensor
 
 from ...kernels import backward as _backward
 from . import _checks_backward, _eager, _on_device
+from .define import once_differentiable, op
 
 # ---------------------------------------------------------------------------------- linear attention
 #
@@ -28,7 +29,7 @@ def _linear_plan(query, key, value, initial_state, decay_buffers, feature_buffer
                        feature_buffers, scale, enable_gqa, options)
 
 
-@torch.library.custom_op("flexgen::linear_attention", mutates_args=())
+@op("linear_attention", autograd="formula")
 def linear_attention(query: Tensor, key: Tensor, value: Tensor, initial_state: Tensor | None,
                      decay_buffers: list[Tensor], feature_buffers: list[Tensor], decay_mod: str,
                      feature_map: str, scale: float, enable_gqa: bool, want_state: bool,
@@ -83,6 +84,7 @@ def _setup_linear(ctx, inputs, output):
     ctx.grad_slots = _backward.grad_slots(decay_buffers)
 
 
+@once_differentiable
 def _linear_grad(ctx, grad_out, grad_state):
     query, key, value, initial_state, *saved = ctx.saved_tensors
     nd, nf = ctx.counts
@@ -109,7 +111,7 @@ def _linear_grad(ctx, grad_out, grad_state):
 linear_attention.register_autograd(_linear_grad, setup_context=_setup_linear)
 
 
-@torch.library.custom_op("flexgen::linear_attention_backward", mutates_args=())
+@op("linear_attention_backward", autograd="none")
 def linear_attention_backward(query: Tensor, key: Tensor, value: Tensor, initial_state: Tensor | None,
                               grad_out: Tensor | None, grad_state: Tensor | None,
                               decay_buffers: list[Tensor], feature_buffers: list[Tensor], decay_mod: str,
@@ -159,7 +161,7 @@ def call_linear_attention(query, key, value, initial_state, decay_buffers, featu
     return torch.ops.flexgen.linear_attention(*args)
 
 
-@torch.library.custom_op("flexgen::linear_attention_decode", mutates_args=("state",))
+@op("linear_attention_decode", mutates_args=("state",))
 def linear_attention_decode(query: Tensor, key: Tensor, value: Tensor, state: Tensor, slots: Tensor,
                             decay_buffers: list[Tensor], feature_buffers: list[Tensor], decay_mod: str,
                             feature_map: str, scale: float, enable_gqa: bool, options: str) -> Tensor:

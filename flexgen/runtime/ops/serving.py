@@ -9,10 +9,11 @@ from torch import Tensor
 from ...kernels.decode import run_decode
 from ..plan import plan_decode_call
 from . import _eager, _on_device
+from .define import op
 
 # ---------------------------------------------------------------------------------- decode
 
-@torch.library.custom_op("flexgen::decode", mutates_args=())
+@op("decode")
 def decode(query: Tensor, key: Tensor, value: Tensor, score_buffers: list[Tensor],
            mask_buffers: list[Tensor], block_lists: list[Tensor], kv_lengths: Tensor,
            q_offsets: Tensor | None, q_lengths: Tensor, page_table: Tensor | None, score_mod: str,
@@ -77,7 +78,7 @@ def call_decode(*args):
 
 # ---------------------------------------------------------------------------------- paged cache
 
-@torch.library.custom_op("flexgen::paged_write", mutates_args=("k_cache", "v_cache"))
+@op("paged_write", mutates_args=("k_cache", "v_cache"))
 def paged_write(k_cache: Tensor, v_cache: Tensor, key: Tensor, value: Tensor, page_table: Tensor,
                 slots: Tensor, lengths: Tensor, counts: Tensor) -> None:
     """Write the first ``counts[b]`` keys / values of row ``b`` at positions ``lengths[slots[b]]``
@@ -99,7 +100,7 @@ def call_paged_write(*args) -> None:
     return torch.ops.flexgen.paged_write(*args)
 
 
-@torch.library.custom_op("flexgen::paged_write_rope", mutates_args=("k_cache", "v_cache"))
+@op("paged_write_rope", mutates_args=("k_cache", "v_cache"))
 def paged_write_rope(k_cache: Tensor, v_cache: Tensor, key: Tensor, value: Tensor, page_table: Tensor,
                      slots: Tensor, lengths: Tensor, counts: Tensor, inv_freq: Tensor, rotary_dim: int,
                      interleaved: bool, query: Tensor | None) -> Tensor:

@@ -8,6 +8,7 @@ from torch import Tensor
 from ...kernels import backward as _backward
 from ..plan import out_strides
 from . import _backward_fake, _checks_backward, _eager, _grad_outputs, _on_device
+from .define import once_differentiable, op
 
 # ---------------------------------------------------------------------------------- sigmoid attention
 #
@@ -18,7 +19,7 @@ from . import _backward_fake, _checks_backward, _eager, _grad_outputs, _on_devic
 # The attention op's arguments plus the bias, minus want_max; nothing but the inputs is saved
 # for the backward (the weights are recomputed from q and k).
 
-@torch.library.custom_op("flexgen::sigmoid_attention", mutates_args=())
+@op("sigmoid_attention", autograd="formula")
 def sigmoid_attention(query: Tensor, key: Tensor, value: Tensor, score_buffers: list[Tensor],
                       mask_buffers: list[Tensor], block_lists: list[Tensor], score_mod: str,
                       mask_mod: str, block_size: list[int], mask_lengths: list[int], scale: float,
@@ -70,6 +71,7 @@ def _setup_sigmoid(ctx, inputs, output):
     ctx.grad_slots = _backward.grad_slots(score_buffers)
 
 
+@once_differentiable
 def _sigmoid_grad(ctx, grad_out):
     query, key, value, *saved = ctx.saved_tensors
     ns, nm, nl = ctx.counts
@@ -94,7 +96,7 @@ def _sigmoid_grad(ctx, grad_out):
 sigmoid_attention.register_autograd(_sigmoid_grad, setup_context=_setup_sigmoid)
 
 
-@torch.library.custom_op("flexgen::sigmoid_attention_backward", mutates_args=())
+@op("sigmoid_attention_backward", autograd="none")
 def sigmoid_attention_backward(query: Tensor, key: Tensor, value: Tensor, grad_out: Tensor,
                                score_buffers: list[Tensor], mask_buffers: list[Tensor],
                                block_lists: list[Tensor], score_mod: str, mask_mod: str,

@@ -7,6 +7,7 @@ from torch import Tensor
 
 from ...kernels import backward as _backward
 from . import _backward_fake, _checks_backward, _eager, _grad_outputs, _on_device
+from .define import once_differentiable, op
 
 # ---------------------------------------------------------------------------------- varlen attention
 #
@@ -24,7 +25,7 @@ def _varlen_plan(query, key, value, cu_q, cu_k, score_buffers, mask_buffers, sco
                        scale, enable_gqa, options)
 
 
-@torch.library.custom_op("flexgen::varlen_attention", mutates_args=())
+@op("varlen_attention", autograd="formula")
 def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Tensor,
                      cu_seqlens_k: Tensor, score_buffers: list[Tensor], mask_buffers: list[Tensor],
                      score_mod: str, mask_mod: str, scale: float, enable_gqa: bool,
@@ -76,6 +77,7 @@ def _setup_varlen(ctx, inputs, output):
     ctx.grad_slots = _backward.grad_slots(score_buffers)
 
 
+@once_differentiable
 def _varlen_grad(ctx, grad_out, grad_lse):
     query, key, value, out, lse, cu_q, cu_k, *saved = ctx.saved_tensors
     ns, nm = ctx.counts
@@ -97,7 +99,7 @@ def _varlen_grad(ctx, grad_out, grad_lse):
 varlen_attention.register_autograd(_varlen_grad, setup_context=_setup_varlen)
 
 
-@torch.library.custom_op("flexgen::varlen_attention_backward", mutates_args=())
+@op("varlen_attention_backward", autograd="none")
 def varlen_attention_backward(query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
                               grad_out: Tensor | None, grad_lse: Tensor | None, cu_seqlens_q: Tensor,
                               cu_seqlens_k: Tensor, score_buffers: list[Tensor],
