@@ -225,6 +225,34 @@ def test_attention_op_differentiates_once():
             False, "", [0], True)
 
 
+def test_attention_op_runs_directly_only_with_nothing_below_autograd():
+    """A call of the attention op that wants no gradient runs its implementation from the
+    autograd kernel (flexgen/runtime/ops/define.py), but a dispatch mode still sees the op
+    itself (it runs below autograd: skipping to the implementation would hide the op from
+    FakeTensorMode, tracing, torch.export), and the results are the same either way."""
+    import flexgen.runtime.ops  # noqa: F401  (registers the ops; flexgen imports it lazily)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = make_qkv(B=B, H=H, L=32, D=D)
+    args = (q, k, v, [], [], [], "", "", [], [], 0.25, False, "", False)
+    with torch.no_grad():
+        direct = torch.ops.flexgen.attention.default(*args)
+        with Seen() as seen:
+            through = torch.ops.flexgen.attention.default(*args)
+    assert "flexgen.attention.default" in seen.ops, seen.ops
+    for a, b in zip(direct[:2], through[:2]):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
 def test_reduce_overhead_replays_on_gpu():
     """mode="reduce-overhead" captures flexgen's ops in CUDA graphs: replays with new
