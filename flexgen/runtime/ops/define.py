@@ -18,11 +18,11 @@ Why not ``custom_op`` throughout: the first two kinds are defined through one
 AOTAutograd, inductor and torch.export, without custom_op's per-call Python layers
 (a wrapper per backend that re-enters dynamo's disable and checks the outputs'
 aliasing; an autograd kernel even for an op no gradient passes through). Interleaved in
-one process, the attention layer of a compiled training step (its forward and backward op)
-took ~40 us less host time this way, on the dev CPU and the H200's host alike (8-12 us
-the forward, 30-32 the backward; benchmarks/NOTES.md, 2026-11-28), where such steps are
-bound by their host. Our implementations return fresh tensors, which is what custom_op's
-aliasing check verified.
+one process (benchmarks/bench_op_host.py), the attention layer of a compiled training step
+(its forward and backward op, with ``Op.register_autograd``'s direct path) took 66-80 us less
+host time this way on H200 hosts (forward 26-28, backward 41-52; dev CPU 11 and 33), where
+such steps are bound by their host (benchmarks/NOTES.md, 2026-11-28). Our implementations
+return fresh tensors, which is what custom_op's aliasing check verified.
 """
 from __future__ import annotations
 
