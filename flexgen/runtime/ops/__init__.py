@@ -42,9 +42,7 @@ with collector.paused():        # a process's first import of the kernels, the p
     from ...kernels.forward import run_forward
     from ...masks import builder
     from ..plan import out_strides, plan_attention, plan_backward
-from .define import once_differentiable, op
-
-_PLAIN = (Tensor, torch.nn.Parameter)
+from .define import PLAIN, once_differentiable, op
 
 
 def _plain(*tensors) -> bool:
@@ -52,7 +50,7 @@ def _plain(*tensors) -> bool:
     FakeTensor, FunctionalTensor or other subclass)."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return False
-    return all(type(t) in _PLAIN for t in tensors)
+    return all(type(t) in PLAIN for t in tensors)
 
 
 def _wants_grad(*tensors) -> bool:

@@ -34,9 +34,8 @@ from torch.utils import _pytree
 from ...errors import FlexgenError
 
 LIBRARY = torch.library.Library("flexgen", "DEF")
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+# Real tensors: FakeTensor, FunctionalTensor and the other tracing wrappers are subclasses.
+PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _runs_directly(args) -> bool:
@@ -47,7 +46,7 @@ def _runs_directly(args) -> bool:
         return False
     if torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active():
         return False
-    return all(type(t) in _PLAIN for a in args for t in (a if isinstance(a, list) else (a,))
+    return all(type(t) in PLAIN for a in args for t in (a if isinstance(a, list) else (a,))
                if isinstance(t, torch.Tensor))
 
 
