@@ -29,6 +29,7 @@ host), and a process that never calls a family should not pay for it at its firs
 """
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -103,11 +104,14 @@ def attention(query: Tensor, key: Tensor, value: Tensor, score_buffers: list[Ten
 
 
 def _attention(query, key, value, score_buffers, mask_buffers, block_lists, score_mod, mask_mod,
-               block_size, mask_lengths, scale, enable_gqa, options, want_max):
+               block_size, mask_lengths, scale, enable_gqa, options, want_max, plan=None):
+    """``attention``'s implementation; ``plan``: the call's plan where the caller made it
+    (``_eager_plan``), else it is made here."""
     device = query.device
     score_buffers, mask_buffers = _on_device(score_buffers, device), _on_device(mask_buffers, device)
-    plan = plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers,
-                          block_lists, block_size, mask_lengths, scale, enable_gqa, options, want_max)
+    if plan is None:
+        plan = plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers,
+                              block_lists, block_size, mask_lengths, scale, enable_gqa, options, want_max)
     if plan.kernel == "decode":
         out, lse = run_decode(plan.decode, query, key, value, score_buffers, mask_buffers,
                               block_lists[:4] if block_lists else None, constant(plan.Lkv, device),
@@ -149,9 +153,12 @@ def _setup_attention(ctx, inputs, output):
     _save(ctx, query, key, value, output, score_buffers, mask_buffers, block_lists, rest)
 
 
-def _save(ctx, query, key, value, output, score_buffers, mask_buffers, block_lists, rest) -> None:
-    """What the backward of ``attention`` (the op's, or ``_EagerAttention``'s) keeps in ``ctx``."""
+def _save(ctx, query, key, value, output, score_buffers, mask_buffers, block_lists, rest,
+          plan=None) -> None:
+    """What the backward of ``attention`` (the op's, or ``_EagerAttention``'s with the forward's
+    ``plan``) keeps in ``ctx``."""
     out, lse, max_scores = output
+    ctx.plan = plan
     ctx.set_materialize_grads(False)          # an unused output's gradient stays None
     ctx.mark_non_differentiable(max_scores)
     ctx.save_for_backward(query, key, value, out, lse, *score_buffers, *mask_buffers, *block_lists)
@@ -168,7 +175,7 @@ def _gradients(ctx, grad_out, grad_lse, needs_qkv, needs_score, through_op: bool
     storage a kernel can read), which only the op's dispatch unwraps."""
     query, key, value, out, lse, *saved = ctx.saved_tensors
     through_op = through_op or torch._C._functorch.is_functorch_wrapped_tensor(query)
-    backward = attention_backward if through_op else _attention_backward
+    backward = attention_backward if through_op else functools.partial(_attention_backward, plan=ctx.plan)
     ns, nm, _ = ctx.counts
     slots = [i for i in ctx.grad_slots if needs_score[i]]
     grads = [None] * ns
@@ -215,11 +222,14 @@ def attention_backward(query: Tensor, key: Tensor, value: Tensor, out: Tensor, l
 
 def _attention_backward(query, key, value, out, lse, grad_out, grad_lse, score_buffers, mask_buffers,
                         block_lists, score_mod, mask_mod, block_size, mask_lengths, scale, enable_gqa,
-                        options, grad_slots, needs_kv):
+                        options, grad_slots, needs_kv, plan=None):
+    """``attention_backward``'s implementation; ``plan``: the forward's (an eager call's,
+    kept by ``_EagerAttention``), else it is made here."""
     device = query.device
     score_buffers, mask_buffers = _on_device(score_buffers, device), _on_device(mask_buffers, device)
-    plan = plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers,
-                          block_lists, block_size, mask_lengths, scale, enable_gqa, options, False)
+    if plan is None:
+        plan = plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers,
+                              block_lists, block_size, mask_lengths, scale, enable_gqa, options, False)
     bw = plan_backward(plan, query, key, value, tuple(grad_slots))
     dq, dk, dv, grads = _backward.run_backward(
         bw, plan, query, key, value, out, lse, grad_out, grad_lse, score_buffers, mask_buffers,
@@ -240,19 +250,21 @@ class _EagerAttention(torch.autograd.Function):
     of a custom op flattens every argument at each call, ~0.3 ms on the dev CPU (four times
     the rest of a warm call); torch.compile and torch.export still see the op.
 
-    ``apply(query, key, value, rest, *tensors)``: ``tensors`` the captured tensors, the mask's
-    and the block lists, in that order (inputs, so autograd sees each); ``rest`` their counts
-    and ``attention``'s other arguments from ``score_mod`` on. The context is set up apart
-    from the forward, as torch.func's transforms (``torch.func.grad``) require."""
+    ``apply(query, key, value, rest, plan, *tensors)``: ``tensors`` the captured tensors, the
+    mask's and the block lists, in that order (inputs, so autograd sees each); ``rest`` their
+    counts and ``attention``'s other arguments from ``score_mod`` on; ``plan`` the call's plan
+    (``_eager_plan``), which the backward reuses. The context is set up apart from the
+    forward, as torch.func's transforms (``torch.func.grad``) require; ``_EagerAttentionCtx``
+    is the same Function for calls under no transform."""
 
     @staticmethod
-    def forward(query, key, value, rest, *tensors):
-        return _attention(query, key, value, *_EagerAttention._lists(rest, tensors), *rest[1:])
+    def forward(query, key, value, rest, plan, *tensors):
+        return _attention(query, key, value, *_EagerAttention._lists(rest, tensors), *rest[1:], plan=plan)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        query, key, value, rest, *tensors = inputs
-        _save(ctx, query, key, value, output, *_EagerAttention._lists(rest, tensors), rest[1:])
+        query, key, value, rest, plan, *tensors = inputs
+        _save(ctx, query, key, value, output, *_EagerAttention._lists(rest, tensors), rest[1:], plan)
 
     @staticmethod
     def _lists(rest, tensors) -> tuple:
@@ -263,16 +275,48 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_lse, grad_max):
-        needs = ctx.needs_input_grad               # (query, key, value, rest, *tensors)
+        needs = ctx.needs_input_grad               # (query, key, value, rest, plan, *tensors)
         ns, nm, nl = ctx.counts
-        dq, dk, dv, grads = _gradients(ctx, grad_out, grad_lse, needs[:3], needs[4:4 + ns], through_op=False)
-        return (dq, dk, dv, None, *grads, *[None] * (nm + nl))
+        dq, dk, dv, grads = _gradients(ctx, grad_out, grad_lse, needs[:3], needs[5:5 + ns], through_op=False)
+        return (dq, dk, dv, None, None, *grads, *[None] * (nm + nl))
 
 
 # torch's Function.apply binds its arguments to forward's signature on every call of a
 # Function with a setup_context: inspect.signature, a quarter of a warm eager call's host time
 # on the dev CPU (~25 us of 107). inspect returns a signature stored on the function as is.
 _EagerAttention.forward.__signature__ = inspect.signature(_EagerAttention.forward)
+
+
+class _EagerAttentionCtx(_EagerAttention):
+    """``_EagerAttention`` with its context set up inside the forward: what ``apply`` takes under
+    no torch.func transform. A Function with a ``setup_context`` costs ~30 us more a call on
+    the dev CPU (its arguments bound to forward's signature, its inputs and outputs packed for
+    ``setup_context``): 53 against 20 us for an empty forward with these arguments."""
+
+    setup_context = torch.autograd.Function.setup_context     # not defined: the forward's ctx
+
+    @staticmethod
+    def forward(ctx, query, key, value, rest, plan, *tensors):
+        lists = _EagerAttention._lists(rest, tensors)
+        output = _attention(query, key, value, *lists, *rest[1:], plan=plan)
+        _save(ctx, query, key, value, output, *lists, rest[1:], plan)
+        return output
+
+
+def _eager_plan(query, key, value, score_buffers, mask_buffers, block_lists, score_mod, mask_mod,
+                block_size, mask_lengths, scale, enable_gqa, options, want_max, differentiated):
+    """The plan of an eager call through ``_EagerAttention`` (``_attention`` would make the same
+    one); where query, key, value or a captured tensor wants a gradient (``differentiated``) its
+    backward is planned too, so a score_mod that cannot be differentiated raises GradientError
+    before the forward kernel runs."""
+    device = query.device
+    score_buffers = _on_device(score_buffers, device)
+    plan = plan_attention(query, key, value, score_mod, score_buffers, mask_mod,
+                          _on_device(mask_buffers, device), block_lists, block_size, mask_lengths,
+                          scale, enable_gqa, options, want_max)
+    if differentiated:
+        plan_backward(plan, query, key, value, _backward.grad_slots(score_buffers))
+    return plan
 
 
 def call_attention(query, key, value, score_buffers, mask_buffers, block_lists, score_mod, mask_mod,
@@ -283,12 +327,13 @@ def call_attention(query, key, value, score_buffers, mask_buffers, block_lists, 
             mask_mod, list(block_size), list(mask_lengths), scale, enable_gqa, options, want_max)
     tensors = (*score_buffers, *mask_buffers, *block_lists)
     if _plain(query, key, value, *tensors):
-        if _wants_grad(query, key, value, *score_buffers):
-            check_backward(*args)  # before the forward kernel runs
-        elif not _wants_grad(*mask_buffers, *block_lists):
+        differentiated = _wants_grad(query, key, value, *score_buffers)
+        if not differentiated and not _wants_grad(*mask_buffers, *block_lists):
             return _attention(*args)
         counts = (len(score_buffers), len(mask_buffers), len(block_lists))
-        return _EagerAttention.apply(query, key, value, (counts, *args[6:]), *tensors)
+        function = _EagerAttention if torch._C._are_functorch_transforms_active() else _EagerAttentionCtx
+        return function.apply(query, key, value, (counts, *args[6:]), _eager_plan(*args, differentiated),
+                              *tensors)
     if _checks_backward(query, key, value, *score_buffers):
         check_backward(*args)      # before the forward kernel runs (torch.compile: setup_context)
     return torch.ops.flexgen.attention(*args)
