@@ -12,6 +12,10 @@ op through the dispatcher (what a call needing gradients or torch.compile takes)
 output allocation, the module's ``arguments()`` and the Triton launch of the
 compiled kernel. Then a cProfile of the whole call, heaviest functions first.
 
+Then a training call's (``training_rows``: q, k, v requiring grad, the same two mods): the
+forward alone, the backward alone (``torch.autograd.grad`` of a kept graph) and both, per
+call, and a cProfile of the pair.
+
 Then the decode path (one query token; Hq=32 over Hkv=8, D=128 on a GPU): the
 ``flex_attention`` dispatch, ``decode_attention`` on contiguous K/V and on a
 caller's page table, and ``PagedKVCache.attention`` / ``append``, at B=1 and
@@ -135,10 +139,45 @@ def decode_rows(device, dtype, smoke, calls, rounds, sync):
     return rows
 
 
+def training_rows(device, dtype, calls, rounds, sync, block_mask):
+    """Host time of an eager training call (the inputs require grad): its forward, its
+    backward, and the two in one call; then a cProfile of the pair with the mods."""
+    rows = []
+    q, k, v = (torch.randn(1, 1, 128, 64, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    dout = torch.randn(1, 1, 128, 64, device=device, dtype=dtype)
+    for name, kwargs in (("plain", {}), ("softcap+causal", dict(score_mod=softcap, block_mask=block_mask))):
+        def forward():
+            return flexgen.flex_attention(q, k, v, **kwargs)
+
+        def both():
+            return torch.autograd.grad(forward(), (q, k, v), dout)
+        kept = forward()
+        stages = {"train forward": forward,
+                  "train backward": lambda: torch.autograd.grad(kept, (q, k, v), dout, retain_graph=True),
+                  "train forward+backward": both}
+        both()
+        for stage, fn in stages.items():
+            rows.append((name, stage, per_call_us(fn, calls, rounds, sync)))
+        if kwargs:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(calls):
+                both()
+            prof.disable()
+            sync()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(22)
+            print(f"\n== cProfile, training {name}, {calls} calls (tottime first)\n{text.getvalue()}")
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--only", default="forward,training,decode",
+                    help="comma-separated sections: forward, training, decode")
     args = ap.parse_args(argv)
+    sections = set(args.only.split(","))
     device = torch.device("cpu" if args.smoke else "cuda")
     calls, rounds = (3, 2) if args.smoke else (2000, 5)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -147,6 +186,9 @@ def main(argv=None) -> int:
     block_mask = flexgen.create_block_mask(causal, None, None, 128, 128, device=device)
     rows = []
     for name, kwargs in (("plain", {}), ("softcap+causal", dict(score_mod=softcap, block_mask=block_mask))):
+        if "forward" not in sections:
+            break
+
         def whole():
             return flexgen.flex_attention(q, k, v, **kwargs)
         whole()
@@ -191,7 +233,10 @@ def main(argv=None) -> int:
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(22)
         print(f"\n== cProfile, {name}, {calls} calls (tottime first)\n{text.getvalue()}")
         print(f"   {len(largs)} kernel arguments, {len(constexprs)} constexprs")
-    rows += decode_rows(device, dtype, args.smoke, calls, rounds, sync)
+    if "training" in sections:
+        rows += training_rows(device, dtype, calls, rounds, sync, block_mask)
+    if "decode" in sections:
+        rows += decode_rows(device, dtype, args.smoke, calls, rounds, sync)
     print(f"\n{'case':<36} {'stage':<20} {'us/call':>9}")
     for name, stage, us in rows:
         print(f"{name:<36} {stage:<20} {us:9.1f}")
