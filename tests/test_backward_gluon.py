@@ -201,6 +201,9 @@ CASES = {
     # A learned relative-position table exactly the size the call needs: proven loads at
     # clamped positions in both kernels.
     "relbias_causal_gqa_d64": (64, torch.bfloat16, 4, 2, 300, 333, "relbias", M.causal_mask, 128, {}),
+    # Lengths that are multiples of the blocks (EVEN): partial tiles mask with mask_mod alone.
+    "document_even_gqa_d64": (64, torch.bfloat16, 4, 2, 512, 512, None, "doc", 128, {}),
+    "sliding_even_d128": (128, torch.bfloat16, 2, 2, 512, 512, None, M.sliding_window(100), 128, {}),
 }
 
 
