@@ -236,6 +236,9 @@ CASES = {
     # A relative-position table exactly the size the call needs: proven loads at clamped
     # positions (bounds_check.proven_loads), ragged tails at both ends.
     "relbias_causal_gqa_d64": (64, torch.bfloat16, 4, 2, 300, 333, "relbias", M.causal_mask, 128),
+    # Lengths that are multiples of the blocks (EVEN_KV): partial tiles mask with mask_mod alone.
+    "document_even_gqa_d64": (64, torch.bfloat16, 4, 2, 512, 512, None, "doc", 128),
+    "causal_even_d128": (128, torch.bfloat16, 2, 2, 512, 512, None, M.causal_mask, 128),
 }
 
 

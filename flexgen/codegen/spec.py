@@ -46,7 +46,7 @@ from .snippet import Snippet
 # kernel's. forward 11, forward_gluon 9, backward 11, backward_gluon 10: one-dimensional grids,
 # block-major where they are a few waves (common.program_block, launch.block_major).)
 SIGMOID_REVISION = 4
-TEMPLATE_VERSIONS = {"forward": 11, "forward_gluon": 9, "backward_gluon": 11, "backward_delta": 1, "block_mask": 5,
+TEMPLATE_VERSIONS = {"forward": 11, "forward_gluon": 10, "backward_gluon": 11, "backward_delta": 1, "block_mask": 5,
                      "block_lists": 2, "decode": 4, "decode_merge": 2, "paged_write": 3,
                      "backward": 12, "linear": 5, "linear_decode": 2}
 
