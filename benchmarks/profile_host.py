@@ -57,6 +57,19 @@ def per_call_us(fn, calls, rounds, sync):
     return statistics.median(samples)
 
 
+def print_profile(fn, calls: int, title: str, lines: int = 22, sync=lambda: None) -> None:
+    """Run ``fn`` ``calls`` times under cProfile and print its heaviest functions (tottime first)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    sync()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(lines)
+    print(f"\n== cProfile, {title}, {calls} calls (tottime first)\n{text.getvalue()}")
+
+
 def softcap(score, b, h, q_idx, kv_idx):
     return 30.0 * torch.tanh(score / 30.0)
 
@@ -125,15 +138,7 @@ def decode_rows(device, dtype, smoke, calls, rounds, sync):
             rows.append((name, "host, no launch", per_call_us(whole, calls, rounds, sync)))
             if name.startswith(("cache.attention", "page_table")) and "B=1" not in name \
                     and ("softcap" in name) == name.startswith("cache"):
-                prof = cProfile.Profile()
-                prof.enable()
-                for _ in range(calls):
-                    whole()
-                prof.disable()
-                text = io.StringIO()
-                pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(15)
-                print(f"\n== cProfile, {name} without launches, {calls} calls (tottime first)\n"
-                      f"{text.getvalue()}")
+                print_profile(whole, calls, f"{name} without launches", lines=15)
         finally:
             launch.run = real_run
     return rows
@@ -159,15 +164,7 @@ def training_rows(device, dtype, calls, rounds, sync, block_mask):
         for stage, fn in stages.items():
             rows.append((name, stage, per_call_us(fn, calls, rounds, sync)))
         if kwargs:
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(calls):
-                both()
-            prof.disable()
-            sync()
-            text = io.StringIO()
-            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(22)
-            print(f"\n== cProfile, training {name}, {calls} calls (tottime first)\n{text.getvalue()}")
+            print_profile(both, calls, f"training {name}", sync=sync)
     return rows
 
 
@@ -223,15 +220,7 @@ def main(argv=None) -> int:
             stages["KERNEL[grid](...)"] = lambda: module.KERNEL[grid](*largs, **constexprs, **options)
         for stage, fn in stages.items():
             rows.append((name, stage, per_call_us(fn, calls, rounds, sync)))
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(calls):
-            whole()
-        prof.disable()
-        sync()
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(22)
-        print(f"\n== cProfile, {name}, {calls} calls (tottime first)\n{text.getvalue()}")
+        print_profile(whole, calls, name, sync=sync)
         print(f"   {len(largs)} kernel arguments, {len(constexprs)} constexprs")
     if "training" in sections:
         rows += training_rows(device, dtype, calls, rounds, sync, block_mask)
