@@ -73,8 +73,10 @@ def _on_device(buffers, device) -> list:
 def _grad_outputs(query, dq, dk, dv, grads, grad_slots, needs_kv) -> tuple:
     """A backward op's outputs: (dq, dk, dv (empty unless ``needs_kv``: ops return fixed
     outputs), the gradients of the captured tensors in ``grad_slots``)."""
-    empty = torch.empty(0, dtype=query.dtype, device=query.device)
-    return dq, dk if needs_kv else empty, dv if needs_kv else empty.clone(), [grads[i] for i in grad_slots]
+    if not needs_kv:
+        # (Two empty tensors, not one: an op's outputs must not alias one another.)
+        dk, dv = (torch.empty(0, dtype=query.dtype, device=query.device) for _ in range(2))
+    return dq, dk, dv, [grads[i] for i in grad_slots]
 
 
 def _backward_fake(query, key, value, score_buffers, grad_slots, needs_kv) -> tuple:
