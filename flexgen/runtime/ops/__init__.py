@@ -138,11 +138,12 @@ def _attention_fake(query, key, value, score_buffers, mask_buffers, block_lists,
 
 def check_backward(query, key, value, score_buffers, mask_buffers, block_lists, score_mod, mask_mod,
                    block_size, mask_lengths, scale, enable_gqa, options, want_max):
-    """Plan the backward of a call whose inputs require grad: a score_mod that cannot be
-    differentiated raises GradientError now, not when backward() runs."""
+    """Plan a call whose inputs require grad and its backward (returns the call's plan): a
+    score_mod that cannot be differentiated raises GradientError now, not when backward() runs."""
     plan = plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers,
-                          block_lists, block_size, mask_lengths, scale, enable_gqa, options)
+                          block_lists, block_size, mask_lengths, scale, enable_gqa, options, want_max)
     plan_backward(plan, query, key, value, _backward.grad_slots(score_buffers))
+    return plan
 
 
 def _setup_attention(ctx, inputs, output):
@@ -312,13 +313,12 @@ def _eager_plan(query, key, value, score_buffers, mask_buffers, block_lists, sco
     backward is planned too, so a score_mod that cannot be differentiated raises GradientError
     before the forward kernel runs."""
     device = query.device
-    score_buffers = _on_device(score_buffers, device)
-    plan = plan_attention(query, key, value, score_mod, score_buffers, mask_mod,
-                          _on_device(mask_buffers, device), block_lists, block_size, mask_lengths,
-                          scale, enable_gqa, options, want_max)
+    score_buffers, mask_buffers = _on_device(score_buffers, device), _on_device(mask_buffers, device)
     if differentiated:
-        plan_backward(plan, query, key, value, _backward.grad_slots(score_buffers))
-    return plan
+        return check_backward(query, key, value, score_buffers, mask_buffers, block_lists, score_mod,
+                              mask_mod, block_size, mask_lengths, scale, enable_gqa, options, want_max)
+    return plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_buffers, block_lists,
+                          block_size, mask_lengths, scale, enable_gqa, options, want_max)
 
 
 def call_attention(query, key, value, score_buffers, mask_buffers, block_lists, score_mod, mask_mod,
