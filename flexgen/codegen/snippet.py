@@ -37,6 +37,16 @@ class Snippet:
             return f"tl.full(({rows}, {cols}), {self.result}, {TL_DTYPES[self.kind]})"
         return f"tl.broadcast_to({self.result}, ({rows}, {cols}))"
 
+    def record(self) -> dict:
+        """As the restart index and the shipped forms keep it (JSON)."""
+        return dict(lines=list(self.lines), result=self.result, kind=self.kind,
+                    free=None if self.free is None else list(self.free))
+
+    @classmethod
+    def from_record(cls, r: dict) -> "Snippet":
+        """``record``'s inverse (KeyError / TypeError on a record of another layout)."""
+        return cls(tuple(r["lines"]), r["result"], r["kind"], None if r["free"] is None else tuple(r["free"]))
+
     @property
     def clamped(self) -> tuple:
         """The clamped positions (``q_idx_clamped``, ``kv_idx_clamped``) the statements read:

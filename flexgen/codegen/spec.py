@@ -69,6 +69,10 @@ class KernelSpec:
     template: str
     score: Snippet | None = None
     mask: Snippet | None = None
+    # A score_mod score + c + a * q_idx + k * kv_idx: its (k, a, c(anchor)) as Snippets
+    # (``flexgen.frontend.terms``), which a softmax template may take instead of ``score`` per
+    # element: key steps per score, the row's part in its statistics.
+    score_terms: tuple | None = None
     score_buffers: tuple = ()
     mask_buffers: tuple = ()
     qk_head: int = 0
@@ -136,19 +140,20 @@ class VarlenSpec(KernelSpec):
     band_exact: bool = False
 
 
-def mod_fields(score, mask, proven=((), ())) -> dict:
+def mod_fields(score, mask, proven=((), ()), terms: bool = True) -> dict:
     """The KernelSpec fields of a lowered score_mod and mask_mod (either may be None).
 
     A mask that keeps everything (noop_mask) adds no mask code. ``proven``: (score_mod's,
     mask_mod's) loads the host proved in bounds for the call, which the snippets read
-    without checks (``flexgen.frontend.lowering.proven_snippet``).
+    without checks (``flexgen.frontend.lowering.proven_snippet``). ``terms``: whether the
+    template takes a separable score_mod's terms (``KernelSpec.score_terms``).
     """
     if any(proven):
         from ..frontend.lowering import proven_snippet
         snippets = [None if m is None else proven_snippet(m, p) for m, p in zip((score, mask), proven)]
     else:
         snippets = [None if m is None else m.snippet for m in (score, mask)]
-    return dict(score=snippets[0],
+    return dict(score=snippets[0], score_terms=score.terms if terms and score is not None else None,
                 mask=None if mask is None or mask.is_true else snippets[1],
                 score_buffers=() if score is None else score.buffers,
                 mask_buffers=() if mask is None else mask.buffers)

@@ -51,6 +51,10 @@ class LoweredMod:
     index_table: tuple | None = None
     graph: str = ""             # the traced program it came from
     prefix: str = ""            # "s", "m", "d" or "f": names its buffers
+    # A score_mod ``score + c + a * q_idx + k * kv_idx``: (k, a, c(anchor)) as Snippets
+    # (``flexgen.frontend.terms``), which softmax kernels take as key steps per score and a
+    # row term in the row statistics; None for any other mod.
+    terms: tuple | None = None
 
     @functools.cached_property
     def expr(self):
@@ -117,12 +121,16 @@ def _bind(form: LoweredMod, values: tuple, graph: str) -> LoweredMod:
     def text(code: str) -> str:
         return _PARAMETER.sub(lambda m: _literal(values[int(m.group(1))]), code)
 
-    snippet = form.snippet
+    def bind(snippet: Snippet) -> Snippet:
+        return Snippet(tuple(text(line) for line in snippet.lines), text(snippet.result),
+                       snippet.kind, snippet.free)
+
+    snippet, terms = form.snippet, form.terms
     if values:
-        snippet = Snippet(tuple(text(line) for line in snippet.lines), text(snippet.result),
-                          snippet.kind, snippet.free)
+        snippet = bind(snippet)
+        terms = None if terms is None else tuple(bind(t) for t in terms)
     canonical = f"{form.canonical} with {list(values)}" if values else form.canonical
-    bound = dataclasses.replace(form, canonical=canonical, snippet=snippet, graph=graph)
+    bound = dataclasses.replace(form, canonical=canonical, snippet=snippet, graph=graph, terms=terms)
     if not values and "expr" in form.__dict__:
         bound.__dict__["expr"] = form.__dict__["expr"]   # the same expression (names aside)
     return bound
@@ -142,6 +150,7 @@ def _lower(traced: TracedMod, prefix: str) -> LoweredMod:
     from ..frontend.expr import canonical_text, free_indices, to_sympy
     from ..masks import bounds, ranges
     from ..runtime.tuning import transcendental
+    from .terms import print_terms
     expr = to_sympy(traced, prefix)
     snippet = print_snippet(expr, f"{prefix}_")
     buffers = tuple(BufferSig(f"{prefix}buf{i}", t.dim(), str(t.dtype).replace("torch.", ""))
@@ -151,7 +160,8 @@ def _lower(traced: TracedMod, prefix: str) -> LoweredMod:
                          free=free_indices(expr), transcendental=transcendental(expr),
                          kv_range=ranges.kv_range(expr) if mask else None,
                          bounds=bounds.compile_flags(expr, buffers) if mask else None,
-                         index_table=index_table(expr), graph=traced.graph, prefix=prefix)
+                         index_table=index_table(expr), graph=traced.graph, prefix=prefix,
+                         terms=print_terms(expr) if traced.kind == "score_mod" else None)
     lowered.__dict__["expr"] = expr      # (the cached_property's slot: no second conversion)
     return lowered
 
@@ -172,12 +182,11 @@ def proven_snippet(lowered: LoweredMod, proven: tuple) -> Snippet:
         from ..codegen import index
         found = index.get("proven", key) or _shipped_proven(lowered, proven)
         try:
-            hit = Snippet(tuple(found["lines"]), found["result"], found["kind"], tuple(found["free"]))
+            hit = Snippet.from_record(found)
         except (KeyError, TypeError, ValueError):
             from ..codegen.printer import print_snippet
             hit = print_snippet(lowered.expr, f"{lowered.prefix}_", frozenset(proven))
-            index.put("proven", key, dict(lines=list(hit.lines), result=hit.result, kind=hit.kind,
-                                          free=list(hit.free)))
+            index.put("proven", key, hit.record())
         if len(_PROVEN) >= 4096:
             _PROVEN.clear()
         _PROVEN[key] = hit
@@ -201,7 +210,8 @@ def _record(m) -> dict:
                 kind=m.snippet.kind, buffers=[[b.name, b.ndim, b.dtype] for b in m.buffers],
                 is_true=m.is_true, free=sorted(m.free), transcendental=m.transcendental,
                 kv_range=None if m.kv_range is None else list(m.kv_range), bounds=m.bounds,
-                index_table=m.index_table)
+                index_table=m.index_table,
+                terms=None if m.terms is None else [t.record() for t in m.terms])
 
 
 def _from_record(r: dict, graph: str, prefix: str):
@@ -214,7 +224,7 @@ def _from_record(r: dict, graph: str, prefix: str):
             free=frozenset(r["free"]), transcendental=bool(r["transcendental"]),
             kv_range=None if r["kv_range"] is None else tuple(r["kv_range"]),
             bounds=_frozen(r["bounds"]), index_table=_frozen(r.get("index_table")), graph=graph,
-            prefix=prefix)
+            prefix=prefix, terms=None if r["terms"] is None else tuple(Snippet.from_record(t) for t in r["terms"]))
     except (KeyError, TypeError, ValueError):
         return None          # an entry of another layout: compute it again
 

@@ -87,8 +87,7 @@ def build() -> dict:
             # as long as the sequences: lowering.proven_snippet), keyed as it asks.
             proven = tuple(sorted(reads))
             snippet = print_snippet(lowered.expr, f"{prefix}_", frozenset(proven))
-            record["proven"] = {" ".join(proven): dict(lines=list(snippet.lines), result=snippet.result,
-                                                       kind=snippet.kind, free=list(snippet.free))}
+            record["proven"] = {" ".join(proven): snippet.record()}
         forms[f"{prefix}\n{form}"] = record
     return {"sympy": sympy.__version__, "forms": forms}
 

@@ -127,13 +127,15 @@ def backward_specs(score_traced, mask, grad_slots: tuple, *, qk_head, v_head, dt
     grad_buffers = tuple(dataclasses.replace(g, dtype="int64") for g in grads.grad_buffers) \
         if deterministic else grads.grad_buffers
     mask_buffers = () if mask is None else mask.buffers
-    score_buffers = () if score_traced is None else lower(score_traced).buffers
+    score_lowered = None if score_traced is None else lower(score_traced)
+    score_buffers = () if score_lowered is None else score_lowered.buffers
 
     def both(tma):
         common = dict(mask=None if mask is None else proven_snippet(mask, proven[1]), score_buffers=score_buffers,
                       mask_buffers=mask_buffers, qk_head=qk_head, v_head=v_head, dtype=dtype,
                       has_block_mask=has_block_mask, dot_precision=dot_precision,
-                      score_grad_const=grads.score_grad_const, use_tma=tma)
+                      score_grad_const=grads.score_grad_const, use_tma=tma,
+                      score_terms=None if score_lowered is None else score_lowered.terms)
         dq = BackwardSpec("backward", part="dq", score=grads.dq.snippet,
                           score_grad=grads.dq.score_grad, scatters=grads.scatters,
                           grad_buffers=grad_buffers, deterministic=deterministic,

@@ -499,7 +499,7 @@ def plan_decode(query, key, value, score_traced, mask_traced, info, enable_gqa, 
 
     def decode_spec(num_stages):
         return kernel_spec(
-            "decode", **mod_fields(score, mask), qk_head=D, v_head=Dv, dtype=DTYPES[query.dtype],
+            "decode", **mod_fields(score, mask, terms=False), qk_head=D, v_head=Dv, dtype=DTYPES[query.dtype],
             has_block_mask=info is not None, block_m=block_m, block_n=block_n,
             num_warps=warps, num_stages=num_stages, dot_precision=dot_precision(query))
 
