@@ -83,13 +83,25 @@ def test_learned_captured_tensors_keep_the_tl_dq_kernel(as_if_hopper):
     assert backward_plan(q, k, v, frozen)[1].gluon_dq is not None
 
 
+def symmetric_alibi(H):
+    """A score_mod computing a tile of both positions per element (|kv_idx - q_idx| is no
+    key term plus row term, unlike ALiBi's kv_idx - q_idx: flexgen.frontend.terms)."""
+    slopes = torch.linspace(0.1, 0.8, H)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (kv_idx - q_idx).abs()
+    return score_mod
+
+
 def test_gluon_dq_tiles_follow_the_blocks_the_score_mod_and_the_options(as_if_hopper):
     """Head dim 128 steps 128 keys, unless the score_mod computes a tile of both positions
-    (its registers would spill), the kv block is 64 or BLOCK_N2 says; BLOCK_M2 sets the rows."""
+    (its registers would spill; ALiBi, a key term plus a row term, does not), the kv block is
+    64 or BLOCK_N2 says; BLOCK_M2 sets the rows."""
     q, k, v = make_qkv(L=256, D=128, dtype=torch.bfloat16)
     assert (backward_plan(q, k, v)[1].gluon_dq.block_n, backward_plan(q, k, v)[1].gluon_dq.num_stages) == (128, 2)
     assert backward_plan(q, k, v, M.tanh_softcap(30.0))[1].gluon_dq.block_n == 128
-    assert backward_plan(q, k, v, alibi_bias(4))[1].gluon_dq.block_n == 64
+    assert backward_plan(q, k, v, alibi_bias(4))[1].gluon_dq.block_n == 128
+    assert backward_plan(q, k, v, symmetric_alibi(4))[1].gluon_dq.block_n == 64
     bm64 = create_block_mask(M.causal_mask, None, None, 256, 256, device="cpu", BLOCK_SIZE=(128, 64))
     assert backward_plan(q, k, v, bm=bm64)[1].gluon_dq.block_n == 64
     assert backward_plan(q, k, v, options=dict(GLUON, BLOCK_M2=64, BLOCK_N2=128))[1].gluon_dq.block_m == 64
@@ -102,15 +114,16 @@ def test_gluon_dq_tiles_follow_the_blocks_the_score_mod_and_the_options(as_if_ho
 
 
 @pytest.mark.parametrize("D, score, auto", [
-    (64, None, True), (64, M.tanh_softcap(30.0), True), (64, "alibi", False), (128, None, False)])
+    (64, None, True), (64, M.tanh_softcap(30.0), True), (64, "alibi", True), (64, "symmetric", False),
+    (128, None, False)])
 def test_auto_takes_the_gluon_backward_kernels_where_they_are_ahead(as_if_hopper, D, score, auto):
     """AUTO, for calls of at least GLUON_BACKWARD_MIN_SCORES scores, takes the kernels where the
     H100 measured them faster: the Gluon dK/dV kernel where it steps 128 query rows (head dim
     64, a score_mod not computing a tile of both positions), the Gluon dQ kernel at head dim
     128 and under a block mask at 64; the tl kernels elsewhere."""
     q, k, v = make_qkv(B=1, H=64, L=4096, D=D, dtype=torch.bfloat16)
-    alibi = score == "alibi"
-    score = alibi_bias(64) if alibi else score
+    both = score == "symmetric"
+    score = {"alibi": alibi_bias(64), "symmetric": symmetric_alibi(64)}.get(score, score)
     _, bw = backward_plan(q, k, v, score, options=None)
     assert (bw.gluon_dkdv is not None) == auto
     if auto:
@@ -120,7 +133,7 @@ def test_auto_takes_the_gluon_backward_kernels_where_they_are_ahead(as_if_hopper
     assert (bw.gluon_dq is not None) == (D == 128)
     if D == 64:
         bm = create_block_mask(M.causal_mask, None, None, 4096, 4096, device="cpu")
-        assert (backward_plan(q, k, v, score, bm, options=None)[1].gluon_dq is not None) == (not alibi)
+        assert (backward_plan(q, k, v, score, bm, options=None)[1].gluon_dq is not None) == (not both)
         window = create_block_mask(M.sliding_window(1024), None, None, 4096, 4096, device="cpu")
         assert backward_plan(q, k, v, score, window, options=None)[1].gluon_dq is None
     small = make_qkv(B=1, H=2, L=1024, D=D, dtype=torch.bfloat16)
@@ -134,8 +147,9 @@ def test_gluon_dkdv_query_rows_follow_the_query_block_and_the_score_mod(as_if_ho
     q, k, v = make_qkv(L=256, D=64, dtype=torch.bfloat16)
     assert backward_plan(q, k, v)[1].gluon_dkdv.block_m == 128
     assert backward_plan(q, k, v, M.tanh_softcap(30.0))[1].gluon_dkdv.block_m == 128
-    assert backward_plan(q, k, v, alibi_bias(4))[1].gluon_dkdv.block_m == 64
-    assert backward_plan(q, k, v, alibi_bias(4), options=dict(GLUON, BLOCK_M1=128))[1].gluon_dkdv.block_m == 128
+    assert backward_plan(q, k, v, alibi_bias(4))[1].gluon_dkdv.block_m == 128
+    assert backward_plan(q, k, v, symmetric_alibi(4))[1].gluon_dkdv.block_m == 64
+    assert backward_plan(q, k, v, symmetric_alibi(4), options=dict(GLUON, BLOCK_M1=128))[1].gluon_dkdv.block_m == 128
     # (BACKEND "gluon" refuses a Q_BLOCK of 64 for the forward kernel: AUTO's plan at a size it
     # would take, which keeps the tl kernel there, and the Gluon spec asked of it directly)
     big = make_qkv(B=1, H=64, L=4096, D=64, dtype=torch.bfloat16)
@@ -267,8 +281,9 @@ def test_gluon_backward_compiles_for_sm90(as_if_hopper, monkeypatch, name, part)
 @pytest.mark.parametrize("D", [64, 128])
 def test_auto_fuses_soft_capping_and_plain_rows_at_head_dim_128(as_if_hopper, monkeypatch, D):
     """AUTO (GLUON_FUSED None) takes the fused kernel for soft-capping (its derivative is not a
-    constant) and, at head dim 128, without a score_mod under masks that read no captured
-    tensor where its grid is 8 waves or more; not for ALiBi (a tile of both positions), a document mask at head dim 128 or plain
+    constant) and, at head dim 128, without a score_mod or with one taken as key and row terms
+    (ALiBi) under masks that read no captured tensor where its grid is 8 waves or more; not for
+    a score_mod computing a tile of both positions, a document mask at head dim 128 or plain
     rows at 64, nor where the backward must be deterministic or a captured tensor wants a
     gradient."""
     monkeypatch.setattr(plan_module, "GLUON_FUSED", None)
@@ -281,7 +296,8 @@ def test_auto_fuses_soft_capping_and_plain_rows_at_head_dim_128(as_if_hopper, mo
         assert (plain is not None) == (D == 128)
     documents = create_block_mask(doc_mask(4096), None, None, 4096, 4096, device="cpu")
     assert backward_plan(q, k, v, None, documents, options=None)[1].gluon_fused is None
-    assert backward_plan(q, k, v, alibi_bias(64), bm, options=None)[1].gluon_fused is None
+    assert (backward_plan(q, k, v, alibi_bias(64), bm, options=None)[1].gluon_fused is not None) == (D == 128)
+    assert backward_plan(q, k, v, symmetric_alibi(64), bm, options=None)[1].gluon_fused is None
     torch.use_deterministic_algorithms(True)
     try:
         assert backward_plan(q, k, v, M.tanh_softcap(30.0), bm, options=None)[1].gluon_fused is None

@@ -44,11 +44,13 @@ from .snippet import Snippet
 # operand there), dQ's product before dK's, the last tile's wait before dK leaves. forward_gluon 8:
 # the partial and the full kv tiles in loops of their own. backward_gluon 9: likewise the dQ
 # kernel's. forward 11, forward_gluon 9, backward 11, backward_gluon 10: one-dimensional grids,
-# block-major where they are a few waves (common.program_block, launch.block_major).)
+# block-major where they are a few waves (common.program_block, launch.block_major). forward 12,
+# forward_gluon 11, backward 13, backward_gluon 12: a score_mod score + c + a * q_idx + k * kv_idx
+# taken as a key term and a row term (KernelSpec.score_terms, flexgen.frontend.terms).)
 SIGMOID_REVISION = 4
-TEMPLATE_VERSIONS = {"forward": 11, "forward_gluon": 10, "backward_gluon": 11, "backward_delta": 1, "block_mask": 5,
+TEMPLATE_VERSIONS = {"forward": 12, "forward_gluon": 11, "backward_gluon": 12, "backward_delta": 1, "block_mask": 5,
                      "block_lists": 2, "decode": 4, "decode_merge": 2, "paged_write": 3,
-                     "backward": 12, "linear": 5, "linear_decode": 2}
+                     "backward": 13, "linear": 5, "linear_decode": 2}
 
 
 def pad_head_dim(d: int) -> int:

@@ -67,7 +67,8 @@ GLUON_MIN_SCORES_D128 = 2 ** 28
 GLUON_MIN_BAND_D64 = 2048
 # The Gluon dK/dV kernel's query rows per step by head dim (BLOCK_M1 sets them): at 64 both
 # warpgroups' Sᵀ and dPᵀ tiles of 128 queries fit in registers beside dK and dV, unless the
-# score_mod computes a tile of both positions (ALiBi: 125 spilled stores at 128 rows, none at 64).
+# score_mod computes a tile of both positions (ALiBi per element: 125 spilled stores at 128 rows,
+# none at 64; taken as key and row terms, KernelSpec.score_terms, it computes none).
 GLUON_DKDV_BLOCK_M = {64: 128, 128: 64}
 # AUTO takes it (sm_90; the dQ kernel stays tl) where it steps 128 queries, for calls of at
 # least GLUON_BACKWARD_MIN_SCORES scores: the H100 measured it 1.12-1.31x the tl dK/dV kernel
@@ -76,7 +77,7 @@ GLUON_DKDV_BLOCK_M = {64: 128, 128: 64}
 # rows; at 64 rows it ties the tl kernel (benchmarks/NOTES.md, "Gluon dK/dV").
 GLUON_BACKWARD_MIN_SCORES = 2 ** 30
 # The Gluon dQ kernel's keys per step (BLOCK_N2 sets them; 64 where the score_mod computes a
-# tile of both positions: ALiBi spills at 128 and head dim 128). AUTO takes the kernel for calls
+# tile of both positions: ALiBi per element spilled at 128 and head dim 128). AUTO takes the kernel for calls
 # of at least GLUON_BACKWARD_MIN_SCORES scores at head dim 128, and at head dim 64 under a block
 # mask where it steps 128 keys. The H100 measured (16k, dQ kernel alone): head dim 128 full
 # 4.11 against the tl kernel's 4.98-5.13 ms, causal 2.13 against 2.67, softcap 5.47 against
@@ -98,8 +99,10 @@ GLUON_DQ_AUTO = True
 #   derivative are the costly part of a recomputed tile) and the mod reads no tile of both
 #   positions (ALiBi-like mods spill in it): H100, whole backward at 16k, 13.1 against 14.4
 #   ms at head dim 128, 8.25 against 9.47 at 64;
-# - at head dim 128 with no score_mod, under no mask or a mask_mod that reads no captured
-#   tensor: its warpgroups share one dSᵀ tile and issue dQ's product before dK's there. H200,
+# - at head dim 128 with no score_mod (or one taken as key and row terms, ALiBi: its backward
+#   at 16k 11.01 ms fused against 11.67 for the Gluon dQ and tl dK/dV kernels, H200), under no
+#   mask or a mask_mod that reads no captured tensor: its warpgroups share one dSᵀ tile and
+#   issue dQ's product before dK's there. H200,
 #   whole backward at 16k against the two kernels: full 11.15 against 12.24 ms, causal 6.05
 #   against 6.18, a 1024-key window 1.03 against 1.25, prefix LM even; a document mask (doc
 #   ids read per position, in step across the warpgroups) 1.98 against 1.66. Where its grid
@@ -585,7 +588,8 @@ def _fuses(bw, deterministic: bool, waves: float) -> bool:
     spec = bw.dkdv
     if GLUON_FUSED:
         return True
-    if spec.score is None and spec.qk_head == 128 and not spec.mask_buffers:
+    # (A score_mod taken as key and row terms adds no per-element work: as plain rows.)
+    if (spec.score is None or spec.score_terms is not None) and spec.qk_head == 128 and not spec.mask_buffers:
         return waves >= GLUON_FUSED_MIN_WAVES
     return spec.score is not None and not spec.score_grad_const and not (
         spec.score.free is None or {"q_idx", "kv_idx"} <= set(spec.score.free))
@@ -628,7 +632,10 @@ def gluon_backward_spec(plan: AttentionPlan, query, key, value, spec):
     tiles = {own: chosen.get(own, 128 if sparse[own] % 128 == 0 else 64)}
     steps = {"dq": GLUON_DQ_BLOCK_N, "dkdv": GLUON_DKDV_BLOCK_M,
              "fused": GLUON_FUSED_BLOCK_M}[spec.part].get(plan.D, 64)
-    if spec.score is not None and (spec.score.free is None or {"q_idx", "kv_idx"} <= set(spec.score.free)):
+    # A score_mod of both positions costs registers a tile (its position tiles), unless the
+    # kernel takes it as key and row terms (KernelSpec.score_terms: no position tile).
+    if spec.score is not None and spec.score_terms is None and (
+            spec.score.free is None or {"q_idx", "kv_idx"} <= set(spec.score.free)):
         steps = 64
     tiles[step] = chosen.get(step, steps if sparse[step] % steps == 0 else 64)
     for name in ("BLOCK_M", "BLOCK_N"):
