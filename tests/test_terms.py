@@ -2,11 +2,11 @@
 
 ``flexgen.frontend.terms`` finds the form (ALiBi and its spellings); the softmax kernels add
 ``k * (kv_idx - anchor)`` per score and fold the row term into the LSE and row maxima they
-write (the forward) or read (the Gluon backward). Checked here: which mods take the form, that
-the split is exactly the mod, and the forward's output, LSE and row maxima against the float64
-oracle under the interpreter (masks, dead rows, GQA, ragged lengths, varlen); the Gluon
-kernels compile for sm_90 in test_forward_gluon.py / test_backward_gluon.py and run against
-the oracle there on the GPU.
+write (the forward) or the LSE they read (the backward). Checked here: which mods take the
+form, that the split is exactly the mod, and the tl kernels' output, LSE, row maxima and
+gradients against the float64 oracle under the interpreter (masks, dead rows, GQA, ragged
+lengths, varlen, a learned slope); the Gluon kernels compile for sm_90 in
+test_forward_gluon.py / test_backward_gluon.py and run against the oracle there on the GPU.
 """
 from __future__ import annotations
 

@@ -8,15 +8,17 @@ a position ``anchor`` the kernel picks near its tile (a program's first query or
 
     T(q_idx, kv_idx) = k * (kv_idx - anchor) + T(anchor, anchor) + a * (q_idx - anchor)
 
-The scores take the key term ``k * (kv_idx - anchor)``: in the forward, ``k * (start -
-anchor)`` for a tile plus ``k * j`` for its j-th key (a vector computed once a program);
-in the backward's dK / dV kernel, whose program owns its keys, one vector a program. The
-row term ``T(anchor, anchor) + a * (q_idx - anchor)`` goes into the row's statistics:
-the forward adds it to the LSE and the row maximum it writes, the backward takes it off
-the LSE it reads (one value a row). Per score that is one add, where the mod's printed
-form also costs, per tile, a subtraction, a conversion and a multiply for each position
-difference a thread holds (Triton's compiler shares those between a thread's rows): at
-head dim 64 the Gluon forward's loop went from 587 to 518 instructions a tile pair.
+The scores take the key term ``k * (kv_idx - anchor)``: in the forward and the dQ kernels,
+``k * j`` for a tile's j-th key (a vector computed once a program) plus ``k * (start -
+anchor)``, the same for the whole tile (the forward adds it to the tile's row maxima, not
+to each score); in the dK / dV kernels, whose programs own their keys, one vector a
+program. The row term ``T(anchor, anchor) + a * (q_idx - anchor)`` goes into the row's
+statistics: the forward adds it to the LSE and the row maximum it writes, the backward
+takes it off the LSE it reads (one value a row). Per score that is one add, where the
+mod's printed form also costs, per tile, a subtraction, a conversion and a multiply for
+each position difference a thread holds (Triton's compiler shares those between a
+thread's rows): at head dim 64 the Gluon forward's loop went from 587 to 488
+instructions a tile pair.
 
 Each part stays as small as the bias itself near the tile: ``k * (kv_idx - anchor)``,
 not ``k * kv_idx``, whose float32 rounding at long positions would exceed the bias's own.
