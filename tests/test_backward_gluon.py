@@ -344,7 +344,7 @@ def _check(name, got, want, tol):
     assert err <= tol * max(ref, 1.0), f"{name}: max error {err:.3g}, largest gradient {ref:.3g}"
 
 
-def check_gradients(q, k, v, score=None, bm=None, options=GLUON, learned=(), tol=3e-2, fused=False):
+def check_gradients(q, k, v, score=None, bm=None, options=GLUON, learned=(), tol=3e-2, fused=False, scale=None):
     """One training step through flex_attention (the Gluon dK/dV and dQ kernels; the tl dQ
     kernel where a captured tensor wants a gradient; ``fused``: the fused kernel) against
     autograd through the float64 oracle from float32 copies of the same inputs; the Gluon
@@ -352,7 +352,7 @@ def check_gradients(q, k, v, score=None, bm=None, options=GLUON, learned=(), tol
     leaves = [t.detach().requires_grad_() for t in (q, k, v)] + list(learned)
     with aot.recording() as launches:
         out = flex_attention(*leaves[:3], score_mod=score, block_mask=bm, enable_gqa=True,
-                             kernel_options=options)
+                             kernel_options=options, scale=scale)
         dout = torch.randn_like(out)
         got = torch.autograd.grad(out, leaves, dout)
     gluon_parts = [s.part for s, _, _ in launches if s.template == "backward_gluon"]
@@ -360,7 +360,7 @@ def check_gradients(q, k, v, score=None, bm=None, options=GLUON, learned=(), tol
     assert sorted(gluon_parts) == (["fused"] if fused else ["dkdv"] if scatters else ["dkdv", "dq"])
     ref_leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
     ref = flex_attention_reference(*ref_leaves, score_mod=score, mask_mod=bm, enable_gqa=True,
-                                   dtype=torch.float64)
+                                   scale=scale, dtype=torch.float64)
     want = torch.autograd.grad(ref, ref_leaves + list(learned), dout.double())
     for name, g, w in zip(["dq", "dk", "dv"] + [f"buffer{i}" for i in range(len(learned))], got, want):
         _check(name, g, w, tol)
@@ -477,6 +477,19 @@ def test_an_expanded_upstream_gradient_takes_the_tl_kernel():
 
 
 # ------------------------------------------------------------------------- the fused kernel
+
+@needs_hopper
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("scale", [0.3, -0.2, 0.0])
+def test_gluon_dkdv_kernels_take_any_scale(monkeypatch, fused, scale):
+    """The dK/dV and fused kernels recompute P times the scale where it is positive
+    (P_SCALE), else times 1: a negative or zero scale gets the same gradients as the oracle."""
+    monkeypatch.setattr(plan_module, "GLUON_FUSED", fused)
+    plan_module.clear_memos()
+    q, k, v = make_qkv(B=1, H=4, Hkv=2, L=333, D=128, dtype=torch.bfloat16, device="cuda")
+    bm = create_block_mask(M.causal_mask, None, None, 333, 333, device="cuda")
+    check_gradients(q, k, v, bm=bm, fused=fused, scale=scale)
+
 
 @pytest.fixture
 def fused_backward(monkeypatch):
