@@ -168,6 +168,23 @@ def test_kv_blocks_of_64_take_one_consumer_warpgroup(as_if_hopper):
     assert "CONSUMERS = gl.constexpr(1)" in cache.source(bw.gluon_dkdv)
 
 
+def test_dkdv_producer_puts_the_rows_statistics_beside_the_q_tile(as_if_hopper):
+    """The dK/dV kernel's producer loads each query tile's LSE (in base 2, less an ALiBi-like
+    mod's row term) and delta rows into the Q tile's slot, then arrives on its Q barrier (which
+    counts two arrivals: the expect's and this one); the consumers read them from shared memory
+    where used, with no loads of their own (loaded and spread over the score tile's columns by
+    the consumers, they waited on a barrier every tile)."""
+    q, k, v = make_qkv(L=256, D=64, dtype=torch.bfloat16)
+    text = cache.source(backward_plan(q, k, v, alibi_bias(4))[1].gluon_dkdv)
+    producer, consumer = text.split("def _producer(")[1].split("def _consumer(")
+    assert "gl.load(LSE" in producer and "gl.load(DELTA" in producer
+    assert "lse2_r = lse2_r - (bias2 + query_step2 * (offs_r - anchor_pos)" in producer
+    assert "mbarrier.arrive(q_ready.index(s), count=1)" in producer
+    assert "gl.load(LSE" not in consumer and "gl.load(DELTA" not in consumer
+    assert "rows_bufs.index(2 * s).load(queries)" in consumer
+    assert "mbarrier.init(q_ready.index(i), count=2)" in text
+
+
 def test_tiles_it_cannot_take_are_refused(as_if_hopper):
     q, k, v = make_qkv(L=256, D=64, dtype=torch.bfloat16)
     with pytest.raises(InputError, match="BLOCK_M1 32"):
