@@ -299,7 +299,7 @@ def test_gluon_backward_compiles_for_sm90(as_if_hopper, monkeypatch, name, part)
 def test_auto_fuses_soft_capping_and_plain_rows_at_head_dim_128(as_if_hopper, monkeypatch, D):
     """AUTO (GLUON_FUSED None) takes the fused kernel for soft-capping (its derivative is not a
     constant) and, at head dim 128, without a score_mod or with one taken as key and row terms
-    (ALiBi) under masks that read no captured tensor where its grid is 8 waves or more; not for
+    (ALiBi) under masks that read no captured tensor where its grid is 3.5 waves or more; not for
     a score_mod computing a tile of both positions, a document mask at head dim 128 or plain
     rows at 64, nor where the backward must be deterministic or a captured tensor wants a
     gradient."""
@@ -320,12 +320,15 @@ def test_auto_fuses_soft_capping_and_plain_rows_at_head_dim_128(as_if_hopper, mo
         assert backward_plan(q, k, v, M.tanh_softcap(30.0), bm, options=None)[1].gluon_fused is None
     finally:
         torch.use_deterministic_algorithms(False)
-    # Plain rows in a grid of few waves (Llama's training shape: 8 KV heads x 64 programs of
-    # 128 keys, 3.9 waves on 132 SMs) take the two kernels; soft-capping still fuses.
+    # Plain rows fuse from 3.5 waves of programs (Llama's training shape: 8 KV heads x 64
+    # programs of 128 keys, 3.9 waves on 132 SMs, where soft-capping fuses too); a grid of
+    # fewer (32 over 4 KV heads: 1.9 waves) takes the two kernels.
     few = make_qkv(B=1, H=16, Hkv=8, L=8192, D=D, dtype=torch.bfloat16)
     causal = create_block_mask(M.causal_mask, None, None, 8192, 8192, device="cpu")
-    assert backward_plan(*few, None, causal, options=None)[1].gluon_fused is None
+    assert (backward_plan(*few, None, causal, options=None)[1].gluon_fused is not None) == (D == 128)
     assert backward_plan(*few, M.tanh_softcap(30.0), causal, options=None)[1].gluon_fused is not None
+    fewer = make_qkv(B=1, H=32, Hkv=4, L=8192, D=D, dtype=torch.bfloat16)
+    assert backward_plan(*fewer, None, causal, options=None)[1].gluon_fused is None
     small = make_qkv(B=1, H=2, L=1024, D=D, dtype=torch.bfloat16)
     assert backward_plan(*small, M.tanh_softcap(30.0), options=None)[1].gluon_fused is None
     assert backward_plan(*small, M.tanh_softcap(30.0), options={"BACKEND": "tl"})[1].gluon_fused is None

@@ -107,13 +107,15 @@ GLUON_DQ_AUTO = True
 #   against 6.18, a 1024-key window 1.03 against 1.25, prefix LM even; a document mask (doc
 #   ids read per position, in step across the warpgroups) 1.98 against 1.66. Where its grid
 #   (a program per 128 keys of a KV head) is under GLUON_FUSED_MIN_WAVES waves, the two
-#   kernels' tail is shorter: Llama's training shape (16 over 8 KV heads, 8k, causal; 3.9
-#   waves) fused 1.64-1.67 ms against 1.58-1.61 (AUTO's rule: BACKEND "gluon" fuses there).
+#   kernels take it (BACKEND "gluon" fuses there): at Llama's training shape (16 over 8 KV
+#   heads, 8k, causal; 3.9 waves) the fused kernel was behind them until its producer took
+#   over the rows' statistics (H200: 1.64-1.67 ms against 1.58-1.61 before; 1.43-1.45 against
+#   1.49-1.50 after, cuDNN 1.42); grids of fewer waves were not measured.
 # At head dim 64 the two kernels stay ahead without a score_mod (full 6.70 against 6.64 ms,
 # causal 3.42 against 3.37; a document mask fused 1.06 against 1.14). Measurements:
 # benchmarks/NOTES.md, "Fused backward" and 2026-11-27. True: wherever it can run; False: never.
 GLUON_FUSED = None
-GLUON_FUSED_MIN_WAVES = 8
+GLUON_FUSED_MIN_WAVES = 3.5
 # Its query rows per step (BLOCK_M1 sets them): dQ's chunks beside dK and dV spill at 128.
 GLUON_FUSED_BLOCK_M = {64: 64, 128: 64}
 LARGE_SPARSE_BLOCK = 1 << 30     # torch's "no block mask" marker (_create_empty_block_mask)
