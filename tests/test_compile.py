@@ -283,6 +283,40 @@ def test_reduce_overhead_replays_on_gpu():
         close(cstep(q, lengths), step(q, lengths), 2e-2)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
+def test_cuda_graph_captured_by_hand_on_gpu():
+    """A serving loop's step captured with torch.cuda.graph (no torch.compile): flex_attention
+    over a block mask built before, flex_attention's decode path and decode_attention with
+    lengths in a device tensor. Regression: the decode path's int constants were copied from
+    the host, which a capture refuses. Replays after new inputs are copied in give eager's answers."""
+    L = 512
+    mask = create_block_mask(causal, None, None, L, L, device="cuda")
+    q, k, v = (torch.randn(2, 4, L, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    q1 = torch.randn(2, 4, 1, 64, device="cuda", dtype=torch.bfloat16)
+    lengths = torch.tensor([100, 300], dtype=torch.int32, device="cuda")
+
+    def step():
+        return (flex_attention(q, k, v, block_mask=mask),
+                flex_attention(q1, k, v),
+                decode_attention(q1, k, v, kv_lengths=lengths, max_kv_len=L))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()                              # warm: kernels compiled, plans made
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for n in ((100, 300), (512, 1), (7, 500)):
+        for t in (q, k, v, q1):
+            t.copy_(torch.randn_like(t))
+        lengths.copy_(torch.tensor(n, dtype=torch.int32))
+        graph.replay()
+        for got, want in zip(outs, step()):
+            close(got, want, 2e-2)
+
+
 def test_op_string_arguments_are_single_lines():
     """Regression (H100, torch 2.11): inductor prints an op's str arguments unquoted in the
     FX-graph comments of the code it generates for CUDA; a mod's program text with newlines

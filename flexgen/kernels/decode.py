@@ -188,13 +188,17 @@ _CONSTANTS: dict = {}
 
 
 def constant(value: int, device) -> torch.Tensor:
-    """A cached one-element int32 tensor (the kernel broadcasts it with stride 0)."""
+    """A cached one-element int32 tensor (the kernel broadcasts it with stride 0).
+
+    Filled on the device, not copied from the host: a copy from pageable memory is refused
+    inside a CUDA graph capture (``torch.cuda.graph``: a serving loop's step captured by
+    hand), where nothing is cached (``may_cache``) and each call makes its constants anew."""
     key = (value, device)
     t = _CONSTANTS.get(key)
     if t is None:
         if len(_CONSTANTS) > 4096:
             _CONSTANTS.clear()
-        t = torch.tensor([value], dtype=torch.int32, device=device)
+        t = torch.full((1,), value, dtype=torch.int32, device=device)
         if may_cache(device):
             _CONSTANTS[key] = t
     return t
