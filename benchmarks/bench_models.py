@@ -15,7 +15,9 @@ compiled decode loop. Same-run peers for each row.
    mode="reduce-overhead", whose CUDA graphs take the host's launches out of the step.
 3. ``decode``: one decode step (B=8, Hq=32, Hkv=8, D=128, 8k cached tokens, lengths in a device
    tensor) compiled with mode="reduce-overhead" (CUDA graphs): flexgen's decode_attention vs
-   SDPA over the padded cache with a boolean mask vs torch's flex_attention (compiled).
+   SDPA over the padded cache with a boolean mask vs torch's flex_attention (compiled); and
+   (GPU) the kernels' own time per step, flexgen's and SDPA's eager steps captured by hand
+   (``torch.cuda.graph``, as a serving loop may), without the graph tree's host time per call.
 
 Times are medians of CUDA-event timings after warm-up; the table is printed last and, with
 --json, written with the environment (device, versions, commit).
@@ -259,6 +261,42 @@ def bench_decode(rows, args, device, dtype):
             rows.append(dict(section="decode", case=name, what="error", value=float("nan"),
                              error=f"{type(e).__name__}: {str(e)[:300]}"))
             traceback.print_exc()
+    if device.type != "cuda":
+        return
+    # The step above pays torch's CUDA-graph tree per call (~0.15-0.2 ms of host on the H200's
+    # host, for every peer). A serving loop that captures its steps by hand (torch.cuda.graph)
+    # replays the kernels alone: their GPU time per step, 20 steps in one graph.
+    for name, fn in (("flexgen decode_attention", flexgen_step), ("SDPA (masked)", sdpa_step)):
+        try:
+            rows.append(dict(section="decode", case=name, what="captured step us (GPU, torch.cuda.graph)",
+                             value=graph_us(lambda: fn(q, lengths))))
+        except Exception as e:     # noqa: BLE001
+            rows.append(dict(section="decode", case=name, what="error", value=float("nan"),
+                             error=f"{type(e).__name__}: {str(e)[:300]}"))
+            traceback.print_exc()
+
+
+def graph_us(fn, steps: int = 20) -> float:
+    """GPU microseconds per call of ``fn`` (eager), ``steps`` calls captured in one CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(steps):
+            fn()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / steps * 1e3)
+    return min(times)
 
 
 def table(rows) -> str:
