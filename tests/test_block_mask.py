@@ -446,6 +446,8 @@ def test_a_mask_capturing_no_tensor_is_built_once_per_size(monkeypatch):
     again = create_block_mask(lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & (q_idx - kv_idx < 100),
                               None, None, 300, 300, device="cpu")
     assert built == [] and again.kv_indices.data_ptr() == first.kv_indices.data_ptr()
+    # the eight tensors themselves (no views made again: transformers builds its mask per step)
+    assert all(getattr(again, n) is getattr(first, n) for n in flexgen.masks.block_mask.LIST_NAMES)
     assert again.mask_mod is not first.mask_mod
     other = create_block_mask(window, 2, None, 300, 300, device="cpu")
     assert other.kv_indices.data_ptr() != first.kv_indices.data_ptr()

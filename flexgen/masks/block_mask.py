@@ -279,19 +279,21 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
         # torch's create_block_mask works on meta (its dense path is all shape
         # arithmetic), giving a mask to plan shapes with; so does this one: the op's
         # layout, nothing evaluated (the builder's nonzero has no meta kernel).
-        buf = torch.empty(lay.size, dtype=torch.int32, device=device)
+        lists = lay.views(torch.empty(lay.size, dtype=torch.int32, device=device))
     elif not traced.buffers and not torch.compiler.is_compiling():
-        # Shared by every build of this program and sizes (the kernels never write the lists);
-        # the program's first line, which names the function, plays no part in them.
+        # Shared by every build of this program and sizes (the kernels never write the lists),
+        # views included: a model that builds its mask at every step (transformers does) takes
+        # the same eight tensors each time. The program's first line, which names the
+        # function, plays no part in them.
         from ..frontend.program import LINE_END
         program = traced.graph.partition(LINE_END)[2]
-        buf = tensor_free_lists((program, Bn, Hn, Q_LEN, KV_LEN, q_block, kv_block, device),
-                                lambda: call_block_mask((), traced.graph, Bn, Hn, Q_LEN, KV_LEN,
-                                                        q_block, kv_block, device))
+        lists = tensor_free_lists((program, Bn, Hn, Q_LEN, KV_LEN, q_block, kv_block, device),
+                                  lambda: lay.views(call_block_mask((), traced.graph, Bn, Hn, Q_LEN, KV_LEN,
+                                                                    q_block, kv_block, device)))
     else:
-        buf = call_block_mask(traced.buffers, traced.graph, Bn, Hn, Q_LEN, KV_LEN, q_block, kv_block,
-                              device)
-    mask = BlockMask(*lay.views(buf), (q_block, kv_block), mask_mod, (Q_LEN, KV_LEN))
+        lists = lay.views(call_block_mask(traced.buffers, traced.graph, Bn, Hn, Q_LEN, KV_LEN, q_block,
+                                          kv_block, device))
+    mask = BlockMask(*lists, (q_block, kv_block), mask_mod, (Q_LEN, KV_LEN))
     if not separate_full_blocks:
         # Every visited block partial, as torch lists them; O(blocks) more work.
         return BlockMask.from_kv_blocks(*torch_compat.ordered(mask.to_dense()), BLOCK_SIZE=mask.BLOCK_SIZE,

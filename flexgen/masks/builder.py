@@ -274,27 +274,27 @@ def clear_memos() -> None:
 
 
 # The lists of masks that capture no tensor, a function of the mask's program and the sizes
-# alone: (program, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device) -> the lists' buffer. A loop
+# alone: (program, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device) -> the eight lists. A loop
 # that builds its mask at every step (transformers does, at every forward) gets the same lists
 # back, at the same addresses, which the kernels' launch replays key on, and builds nothing.
 _LISTS: dict = {}
 _LISTS_MAX = 64
 
 
-def tensor_free_lists(key: tuple, build):
-    """The lists' buffer of a mask that captures no tensor, ``build()`` the first time. Under a
-    tensor mode (a FakeTensorMode planning shapes, say) the build is its own: its tensors are
-    the mode's, and a real one kept here is not for the mode."""
+def tensor_free_lists(key: tuple, build) -> tuple:
+    """The eight lists (``Layout.views``) of a mask that captures no tensor, ``build()`` the
+    first time. Under a tensor mode (a FakeTensorMode planning shapes, say) the build is its
+    own: its tensors are the mode's, and a real one kept here is not for the mode."""
     if torch._C._len_torch_dispatch_stack():          # (as ops._plain tells a mode)
         return build()
-    buf = _LISTS.get(key)
-    if buf is None:
-        buf = build()
-        if type(buf) is torch.Tensor:
+    lists = _LISTS.get(key)
+    if lists is None:
+        lists = build()
+        if type(lists[0]) is torch.Tensor:
             if len(_LISTS) >= _LISTS_MAX:
                 _LISTS.clear()
-            _LISTS[key] = buf
-    return buf
+            _LISTS[key] = lists
+    return lists
 
 
 def _dense_inputs(traced, hit, Q_LEN, KV_LEN, q_block, kv_block, every=False) -> dict:
