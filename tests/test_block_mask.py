@@ -564,6 +564,8 @@ def test_gpu_first_mask_build_compiles_nothing_and_does_not_sync(name, monkeypat
     with builder.compile_on_first_build():      # traced and lowered first (the check is the build's)
         create_block_mask(mod, None, None, 1000, 1000, device="cuda")
     monkeypatch.setattr(builder, "_BUILT", set())
+    # (a mask capturing no tensor, the window, would come back from the lists' memo unbuilt)
+    monkeypatch.setattr(builder, "_LISTS", {})
     launched, original = [], launch.run
     monkeypatch.setattr(launch, "run", lambda spec, *a, **k: launched.append(spec.template) or
                         original(spec, *a, **k))
@@ -580,10 +582,12 @@ def test_gpu_first_mask_build_compiles_nothing_and_does_not_sync(name, monkeypat
 
     first = synced_build()
     assert launched == []
+    builder._LISTS.clear()
     second = create_block_mask(mod, None, None, 1000, 1000, device="cuda")
     assert launched == ["block_mask", "block_lists"]
     monkeypatch.setattr(launch, "ready", real_ready)            # the kernels are loaded now
     monkeypatch.setattr(builder, "_BUILT", set())
+    builder._LISTS.clear()
     third = synced_build()
     assert launched == ["block_mask", "block_lists"] * 2
     want = create_block_mask(mod_on("cpu"), None, None, 1000, 1000, device="cpu")
