@@ -60,7 +60,7 @@ import torch.nn.functional as F  # noqa: E402
 from flexgen import decode_attention  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Timer, environment, write_json  # noqa: E402
+from common import Timer, environment, graph_ms, write_json  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 64
 DTYPE = torch.bfloat16
@@ -84,28 +84,6 @@ def host_us(fn, timer, calls=50) -> float:
         fn()
     timer.sync()
     return (time.perf_counter() - t0) / calls * 1e6
-
-
-def graph_ms(fn, timer, cuda) -> float | None:
-    """Median ms of ``fn`` replayed from a CUDA graph, as serving loops run their decode steps.
-
-    Warmed up on a side stream first (compiles, memo entries, cached constants: nothing
-    that would synchronize may happen during capture). None on CPU.
-    """
-    if not cuda:
-        return None
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    ms = timer(graph.replay)
-    del graph
-    return ms
 
 
 def copy_gbps(timer, cuda) -> float | None:

@@ -34,7 +34,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment, report, write_json  # noqa: E402
+from common import Timer, environment, graph_ms, report, write_json  # noqa: E402
 
 
 def cuda_ms(fn, iters: int, warmup: int = 2) -> float:
@@ -269,34 +269,11 @@ def bench_decode(rows, args, device, dtype):
     for name, fn in (("flexgen decode_attention", flexgen_step), ("SDPA (masked)", sdpa_step)):
         try:
             rows.append(dict(section="decode", case=name, what="captured step us (GPU, torch.cuda.graph)",
-                             value=graph_us(lambda: fn(q, lengths))))
+                             value=graph_ms(lambda: fn(q, lengths), Timer(True), True, repeat=20) * 1e3))
         except Exception as e:     # noqa: BLE001
             rows.append(dict(section="decode", case=name, what="error", value=float("nan"),
                              error=f"{type(e).__name__}: {str(e)[:300]}"))
             traceback.print_exc()
-
-
-def graph_us(fn, steps: int = 20) -> float:
-    """GPU microseconds per call of ``fn`` (eager), ``steps`` calls captured in one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(steps):
-            fn()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / steps * 1e3)
-    return min(times)
 
 
 def table(rows) -> str:

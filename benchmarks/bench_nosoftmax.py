@@ -58,7 +58,7 @@ from flexgen import mods as M  # noqa: E402
 from flexgen.reference import linear_attention_reference, sigmoid_attention_reference  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Timer, copy_gbps, environment, write_json  # noqa: E402
+from common import Timer, copy_gbps, environment, graph_ms, write_json  # noqa: E402
 
 DTYPE = torch.bfloat16
 
@@ -284,28 +284,6 @@ def fla_case_names(text: str, cuda: bool) -> set:
 
 
 # ---------------------------------------------------------------------------------- decode
-
-def graph_ms(fn, timer, cuda, repeat: int = 1) -> float | None:
-    """Median ms of ``fn`` replayed from a CUDA graph, as a serving loop runs its decode steps
-    (warmed up on a side stream first: nothing may synchronize during the capture). With
-    ``repeat``, that many calls in one graph, per call: a model's step replays one graph for
-    all its layers, so the graph's own launch (~3 us) is not paid per kernel."""
-    if not cuda:
-        return None
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeat):
-            fn()
-    ms = timer(graph.replay) / repeat
-    del graph
-    return ms
-
 
 def decode_cases(args, timer, cuda, device, bw, batches) -> list:
     H, D = args.heads, args.dim

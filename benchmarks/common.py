@@ -41,6 +41,29 @@ class Timer:
             torch.cuda.synchronize()
 
 
+def graph_ms(fn, timer, cuda, repeat: int = 1) -> float | None:
+    """Median ms of ``fn`` replayed from a CUDA graph captured by hand, as a serving loop runs
+    its decode steps (warmed up on a side stream first: nothing may synchronize during the
+    capture). With ``repeat``, that many calls in one graph, per call: a model's step replays
+    one graph for all its layers, so the graph's own launch (~3 us) is not paid per kernel.
+    None on CPU."""
+    if not cuda:
+        return None
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeat):
+            fn()
+    ms = timer(graph.replay) / repeat
+    del graph
+    return ms
+
+
 def copy_gbps(timer, cuda) -> float | None:
     """Device-to-device copy bandwidth (GB/s: bytes read + written), a memory-bound kernel's ceiling."""
     if not cuda:
