@@ -37,6 +37,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Timer, environment, graph_ms, report, write_json  # noqa: E402
 
 
+def error_row(section: str, case: str, e: Exception) -> dict:
+    """A failing row, reported (with its traceback printed) while the rest of the run goes on."""
+    traceback.print_exc()
+    return dict(section=section, case=case, what="error", value=float("nan"),
+                error=f"{type(e).__name__}: {str(e)[:300]}")
+
+
 def cuda_ms(fn, iters: int, warmup: int = 2) -> float:
     """Median milliseconds of ``fn()`` over ``iters`` runs (CUDA events), after ``warmup`` runs."""
     for _ in range(warmup):
@@ -125,9 +132,7 @@ def bench_hf(rows, args, device, dtype):
                       flush=True)
                 del model, run
             except Exception as e:       # noqa: BLE001 - a failing row is reported, the rest runs
-                rows.append(dict(section="hf", case=name, what="error", value=float("nan"),
-                                 error=f"{type(e).__name__}: {str(e)[:300]}"))
-                traceback.print_exc()
+                rows.append(error_row("hf", name, e))
             torch.cuda.empty_cache() if device.type == "cuda" else None
 
 
@@ -207,9 +212,7 @@ def bench_small(rows, args, device, dtype):
                              value=cuda_ms(step, iters) if device.type == "cuda" else 0.0,
                              loss=losses[name]))
         except Exception as e:     # noqa: BLE001
-            rows.append(dict(section="small", case=name, what="error", value=float("nan"),
-                             error=f"{type(e).__name__}: {str(e)[:300]}"))
-            traceback.print_exc()
+            rows.append(error_row("small", name, e))
 
 
 # ---------------------------------------------------------------------------------- 3. decode
@@ -258,9 +261,7 @@ def bench_decode(rows, args, device, dtype):
             rows.append(dict(section="decode", case=name, what="compiled step us (reduce-overhead)",
                              value=us, max_err_vs_first=err))
         except Exception as e:     # noqa: BLE001
-            rows.append(dict(section="decode", case=name, what="error", value=float("nan"),
-                             error=f"{type(e).__name__}: {str(e)[:300]}"))
-            traceback.print_exc()
+            rows.append(error_row("decode", name, e))
     if device.type != "cuda":
         return
     # The step above pays torch's CUDA-graph tree per call (~0.15-0.2 ms of host on the H200's
@@ -271,9 +272,7 @@ def bench_decode(rows, args, device, dtype):
             rows.append(dict(section="decode", case=name, what="captured step us (GPU, torch.cuda.graph)",
                              value=graph_ms(lambda: fn(q, lengths), Timer(True), True, repeat=20) * 1e3))
         except Exception as e:     # noqa: BLE001
-            rows.append(dict(section="decode", case=name, what="error", value=float("nan"),
-                             error=f"{type(e).__name__}: {str(e)[:300]}"))
-            traceback.print_exc()
+            rows.append(error_row("decode", name, e))
 
 
 def table(rows) -> str:
