@@ -152,8 +152,7 @@ class Replay:
     def __init__(self, launcher, grid, args, device_index, fresh, origins=()):
         self.launcher, self.device_index = launcher, device_index
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
-        self.pattern = _pattern(fresh)
-        self.classes = _arg_classes([t for t in fresh if t is not None])
+        self.signature = _fresh_signature(fresh)
         slots = {id(t): i for i, t in enumerate(fresh) if t is not None}
         # (argument position, index in fresh, the descriptor to copy or None)
         self.swaps = []
@@ -184,9 +183,7 @@ class Replay:
         self.pack = None if replayer is None else replayer(self.args, self.swaps)
 
     def __call__(self, *tensors) -> bool:
-        return (_pattern(tensors) == self.pattern
-                and _arg_classes([t for t in tensors if t is not None]) == self.classes
-                and self.launch(*tensors))
+        return _fresh_signature(tensors) == self.signature and self.launch(*tensors)
 
     def launch(self, *tensors) -> bool:
         """Launch with ``tensors``, which the caller knows match ``classes`` and ``pattern``
@@ -213,10 +210,20 @@ class Replay:
         return True
 
 
-def _pattern(tensors) -> tuple:
-    """Which of ``tensors`` are the same object (each one's first index; -1 for None)."""
+def _fresh_signature(tensors) -> tuple:
+    """What a replay's new tensors must share with the first ones, in one pass (it runs at every
+    replayed launch, ~12 tensors): per tensor, None for None; for a repeat of an earlier one
+    (the same object) that one's index; else its dtype and whether its address is 16-byte
+    aligned, what Triton specializes a pointer on."""
     first: dict = {}
-    return tuple(-1 if t is None else first.setdefault(id(t), i) for i, t in enumerate(tensors))
+    signature = []
+    for i, t in enumerate(tensors):
+        if t is None:
+            signature.append(None)
+            continue
+        j = first.setdefault(id(t), i)
+        signature.append((t.dtype, not t.data_ptr() & 15) if j == i else j)
+    return tuple(signature)
 
 
 class _Weak:
