@@ -166,7 +166,8 @@ def _mask_info(block_lists, block_size, mask_lengths) -> Mask | None:
 
 def _key(*tensors) -> tuple:
     """What a plan reads of tensors: shape, strides, dtype, device (never data or identity)."""
-    return tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in tensors)
+    # (t.shape is a torch.Size, a tuple: hashed and compared as one, without a copy.)
+    return tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors)
 
 
 def _memo(cache: dict, key, make):
