@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import flexgen
 from flexgen import AuxRequest, create_block_mask, decode_attention, flex_attention
@@ -225,33 +226,58 @@ def test_attention_op_differentiates_once():
             False, "", [0], True)
 
 
+class _OpsSeen(TorchDispatchMode):
+    """A dispatch mode listing the ops that reach it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 def test_attention_op_runs_directly_only_with_nothing_below_autograd():
     """A call of the attention op that wants no gradient runs its implementation from the
     autograd kernel (flexgen/runtime/ops/define.py), but a dispatch mode still sees the op
     itself (it runs below autograd: skipping to the implementation would hide the op from
     FakeTensorMode, tracing, torch.export), and the results are the same either way."""
     import flexgen.runtime.ops  # noqa: F401  (registers the ops; flexgen imports it lazily)
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Seen(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
 
     q, k, v = make_qkv(B=B, H=H, L=32, D=D)
     args = (q, k, v, [], [], [], "", "", [], [], 0.25, False, "", False)
     with torch.no_grad():
         direct = torch.ops.flexgen.attention.default(*args)
-        with Seen() as seen:
+        with _OpsSeen() as seen:
             through = torch.ops.flexgen.attention.default(*args)
     assert "flexgen.attention.default" in seen.ops, seen.ops
     for a, b in zip(direct[:2], through[:2]):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
+
+def test_block_mask_op_takes_inputs_that_want_a_gradient_and_gives_integer_lists():
+    """flexgen::block_mask is an op of the torch.library.Library without an autograd kernel (its
+    outputs are int32 lists, which carry no gradient): a mask reading a float tensor that
+    requires grad builds the same lists as without, none of them requiring grad, and a dispatch
+    mode sees the op."""
+    import flexgen.runtime.ops  # noqa: F401  (registers the ops; flexgen imports it lazily)
+    from flexgen.api import _mods
+
+    level = torch.randn(200)
+
+    def same_level(b, h, q_idx, kv_idx):
+        return (level[q_idx] > 0) == (level[kv_idx] > 0)
+
+    mask = flexgen.create_block_mask(same_level, 1, 1, 200, 200, device="cpu")
+    _, _, graph, _, _, _, _ = _mods(None, mask)
+    args = (graph, 1, 1, 200, 200, 64, 64, torch.device("cpu"))
+    want = torch.ops.flexgen.block_mask.default([level], *args)
+    with _OpsSeen() as seen:
+        got = torch.ops.flexgen.block_mask.default([level.clone().requires_grad_()], *args)
+    assert "flexgen.block_mask.default" in seen.ops, seen.ops
+    assert got.dtype == torch.int32 and not got.requires_grad
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
 def test_reduce_overhead_replays_on_gpu():

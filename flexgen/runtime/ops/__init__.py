@@ -342,10 +342,11 @@ def call_attention(query, key, value, score_buffers, mask_buffers, block_lists, 
 
 # ---------------------------------------------------------------------------------- block masks
 
-# cudagraph_unsafe: building the lists reads values back to the host (the element-wise
-# pass visits only the blocks it must), which a CUDA graph capture cannot contain; under
-# mode="reduce-overhead" torch.compile runs this op outside its graphs.
-@op("block_mask", tags=(torch.Tag.cudagraph_unsafe,))
+# cudagraph_unsafe: a build is not the same work from call to call (a mask's first build in
+# the process runs torch ops, its second compiles and launches the kernel: masks/builder.py;
+# off the GPU it reads values back to the host), which a CUDA graph capture cannot hold;
+# under mode="reduce-overhead" torch.compile runs this op outside its graphs.
+@op("block_mask", tags=(torch.Tag.cudagraph_unsafe,), autograd="integer")
 def block_mask(mask_buffers: list[Tensor], mask_mod: str, B: int, H: int, Q_LEN: int, KV_LEN: int,
                Q_BLOCK: int, KV_BLOCK: int, device: torch.device) -> Tensor:
     """create_block_mask's lists, as one int32 tensor (``flexgen.masks.builder.layout``)."""

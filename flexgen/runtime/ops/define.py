@@ -10,10 +10,12 @@ as ``torch.library.custom_op`` reads it); ``autograd`` says how the op different
   without recording a graph (a second derivative through it raises there); called
   with a gradient wanted anyway, the op raises rather than return outputs a backward
   would silently skip;
+- ``"integer"``: the outputs are integer tensors, which carry no gradient whatever the
+  inputs (a block mask's lists): no autograd kernel, and no guard either;
 - ``"raises"``: a call works and a backward through its outputs raises (decode, the
-  paged cache's writes, block masks): ``torch.library.custom_op`` with no formula.
+  paged cache's writes): ``torch.library.custom_op`` with no formula.
 
-Why not ``custom_op`` throughout: the first two kinds are defined through one
+Why not ``custom_op`` throughout: the first three kinds are defined through one
 ``torch.library.Library`` instead, the same operator to the dispatcher, dynamo,
 AOTAutograd, inductor and torch.export, without custom_op's per-call Python layers
 (a wrapper per backend that re-enters dynamo's disable and checks the outputs'
@@ -104,10 +106,10 @@ def op(name: str, *, mutates_args=(), tags=(), autograd: str = "raises"):
     def define(fn):
         if autograd == "raises":
             return torch.library.custom_op(f"flexgen::{name}", fn, mutates_args=mutates_args, tags=tags)
-        if autograd not in ("formula", "none"):
-            raise ValueError(f"autograd: 'formula', 'none' or 'raises', not {autograd!r}")
+        if autograd not in ("formula", "none", "integer"):
+            raise ValueError(f"autograd: 'formula', 'none', 'integer' or 'raises', not {autograd!r}")
         LIBRARY.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args), tags=tags)
-        impl = fn if autograd == "formula" else _not_differentiable(name, fn)
+        impl = _not_differentiable(name, fn) if autograd == "none" else fn
         # Dynamo never traces into an implementation (the op is opaque to it), as custom_op's;
         # torch._dynamo (and sympy with it) is imported at the op's first call, not here.
         LIBRARY.impl(name, torch._disable_dynamo(impl), "CompositeExplicitAutograd")
