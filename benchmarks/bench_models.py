@@ -174,6 +174,26 @@ class SmallTransformer(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1).float(), ids.flatten())
 
 
+def small_step(attention, mode, ids, docs, dtype, **sizes):
+    """A compiled training step of a fresh SmallTransformer over ``attention`` (its
+    (create_block_mask, flex_attention)) under ``torch.compile(mode=mode)``: ``step()`` -> loss."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = SmallTransformer(attention, L=ids.shape[1], **sizes).to(ids.device, dtype)
+    step_model = torch.compile(model, fullgraph=True, mode=mode)
+
+    def step():
+        if mode is not None:
+            # A new step: the last one's graph outputs (the loss, the gradients) may be
+            # overwritten, so the gradients are not accumulated into across steps.
+            torch.compiler.cudagraph_mark_step_begin()
+            model.zero_grad(set_to_none=True)
+        loss = step_model(ids, docs)
+        loss.backward()
+        return loss
+    return step
+
+
 def bench_small(rows, args, device, dtype):
     import flexgen
     from torch.nn.attention import flex_attention as tf
@@ -191,22 +211,8 @@ def bench_small(rows, args, device, dtype):
             ("flexgen", (flexgen.create_block_mask, flexgen.flex_attention)))):
         name = name if mode is None else f"{name} ({mode})"
         try:
-            torch._dynamo.reset()
-            torch.manual_seed(0)
-            model = SmallTransformer(attention, L=L, dim=128 if args.smoke else 1024,
-                                     layers=2 if args.smoke else 4).to(device, dtype)
-            step_model = torch.compile(model, fullgraph=True, mode=mode)
-
-            def step():
-                if mode is not None:
-                    # A new step: the last one's graph outputs (the loss, the gradients) may be
-                    # overwritten, so the gradients are not accumulated into across steps.
-                    torch.compiler.cudagraph_mark_step_begin()
-                    model.zero_grad(set_to_none=True)
-                loss = step_model(ids, docs)
-                loss.backward()
-                return loss
-
+            step = small_step(attention, mode, ids, docs, dtype, dim=128 if args.smoke else 1024,
+                              layers=2 if args.smoke else 4)
             losses[name] = float(step())
             rows.append(dict(section="small", case=name, what="compiled train step ms",
                              value=cuda_ms(step, iters) if device.type == "cuda" else 0.0,
