@@ -265,6 +265,7 @@ def test_gluon_backward_compiles_for_sm90(as_if_hopper, monkeypatch, name, part)
         assert spec is None
         return
     assert spec.template == "backward_gluon" and spec.part == part
+    conftest.skip_outside_aot_sample(spec)
     module = cache.load(spec, interpret=False)
     B, H, Lq, _ = q.shape
     _, _, lists, block_size, _ = mask_inputs(bm)
