@@ -186,8 +186,8 @@ class Replay:
         return _fresh_signature(tensors) == self.signature and self.launch(*tensors)
 
     def launch(self, *tensors) -> bool:
-        """Launch with ``tensors``, which the caller knows match ``classes`` and ``pattern``
-        (dtypes and 16-byte alignment as at the first launch: a kernel specialized on an
+        """Launch with ``tensors``, which the caller knows match ``signature`` (the same
+        aliasing, dtypes and 16-byte alignment as at the first launch: a kernel specialized on an
         aligned pointer must never get another); False, launching nothing, where Triton's
         own path must run instead."""
         if RECORDED is not None or _current_device() != self.device_index or not _hooks_idle():
