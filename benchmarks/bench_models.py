@@ -174,6 +174,22 @@ class SmallTransformer(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1).float(), ids.flatten())
 
 
+def small_inputs(L: int, device):
+    """The small model's batch: token ids [2, L] and document ids (~4 documents per 1024 tokens)."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 4096, (2, L), generator=gen).to(device)
+    docs = torch.cumsum((torch.rand(2, L, generator=gen) < 4.0 / 1024).int(), 1).int().to(device)
+    return ids, docs
+
+
+def small_peers() -> list:
+    """(name, (create_block_mask, flex_attention)) of torch's FlexAttention and flexgen's."""
+    import flexgen
+    from torch.nn.attention import flex_attention as tf
+    return [("torch flex_attention", (tf.create_block_mask, tf.flex_attention)),
+            ("flexgen", (flexgen.create_block_mask, flexgen.flex_attention))]
+
+
 def small_step(attention, mode, ids, docs, dtype, **sizes):
     """A compiled training step of a fresh SmallTransformer over ``attention`` (its
     (create_block_mask, flex_attention)) under ``torch.compile(mode=mode)``: ``step()`` -> loss."""
@@ -195,20 +211,14 @@ def small_step(attention, mode, ids, docs, dtype, **sizes):
 
 
 def bench_small(rows, args, device, dtype):
-    import flexgen
-    from torch.nn.attention import flex_attention as tf
     L = 64 if args.smoke else 4096
     # A step is ~10 ms and often host-bound, so its time moves with the host's load: a median
     # of 20 (5 gave 10.95-16.4 ms for the same code across runs).
     iters = 1 if args.smoke else 20
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 4096, (2, L), generator=gen).to(device)
-    docs = torch.cumsum((torch.rand(2, L, generator=gen) < 4.0 / 1024).int(), 1).int().to(device)
+    ids, docs = small_inputs(L, device)
     losses = {}
     modes = (None, "reduce-overhead") if device.type == "cuda" else (None,)
-    for mode, (name, attention) in ((m, c) for m in modes for c in (
-            ("torch flex_attention", (tf.create_block_mask, tf.flex_attention)),
-            ("flexgen", (flexgen.create_block_mask, flexgen.flex_attention)))):
+    for mode, (name, attention) in ((m, c) for m in modes for c in small_peers()):
         name = name if mode is None else f"{name} ({mode})"
         try:
             step = small_step(attention, mode, ids, docs, dtype, dim=128 if args.smoke else 1024,

@@ -29,7 +29,7 @@ os.environ.pop("FLEXGEN_POISON", None)
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_models import cuda_ms, small_step  # noqa: E402
+from bench_models import cuda_ms, small_inputs, small_peers, small_step  # noqa: E402
 
 
 def kernel_times(prof, steps: int) -> dict[str, float]:
@@ -58,7 +58,7 @@ def idle_ms(prof, steps: int) -> float:
 def host_layers(step, steps: int) -> str:
     """Host microseconds a step spent inside each layer of flexgen's ops, timed in place (wrappers
     around the functions; the layers nest, so the rows do not add up)."""
-    from flexgen.kernels import backward, forward
+    from flexgen.kernels import backward
     from flexgen.masks import builder
     from flexgen.runtime import launch, ops
     layers = [(ops, "_attention", "forward op's implementation"),
@@ -106,17 +106,12 @@ def main():
     parser.add_argument("--layers", action="store_true",
                         help="also flexgen's host time a step in each layer of its ops (timed in place)")
     args = parser.parse_args()
-    import flexgen
-    from torch.nn.attention import flex_attention as tf
-
-    device, dtype, L = torch.device("cuda"), torch.bfloat16, 4096
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 4096, (2, L), generator=gen).to(device)
-    docs = torch.cumsum((torch.rand(2, L, generator=gen) < 4.0 / 1024).int(), 1).int().to(device)
+    ids, docs = small_inputs(4096, torch.device("cuda"))
+    dtype = torch.bfloat16
     mode = None if args.mode == "default" else args.mode
     summary = []
-    for name, attention in (("torch", (tf.create_block_mask, tf.flex_attention)),
-                            ("flexgen", (flexgen.create_block_mask, flexgen.flex_attention))):
+    for name, attention in small_peers():
+        name = name.split()[0]          # torch, flexgen
         step = small_step(attention, mode, ids, docs, dtype)
         for _ in range(3):
             step()

@@ -48,8 +48,13 @@ def test_launches_are_recorded_during_a_test():
     assert spec.template == "forward" and "BLOCK_M" in constexprs
 
 
-def test_real_kernel_compiles_for_hopper(monkeypatch):
+@pytest.fixture
+def every_spec(monkeypatch):
+    """The tests of the check itself compile their kernels whatever the run samples."""
     monkeypatch.setattr(conftest, "AOT_SAMPLE", 1)
+
+
+def test_real_kernel_compiles_for_hopper(every_spec):
     (spec, args, constexprs), _ = one_launch()
     compiled = aot.compile_launch(spec, args, constexprs)
     ptx = compiled.asm["ptx"]
@@ -60,8 +65,7 @@ def test_real_kernel_compiles_for_hopper(monkeypatch):
     assert compile_recorded([(spec, args, constexprs)]) == 0, "a compiled kernel is not compiled twice"
 
 
-def test_broken_kernel_fails_the_check(monkeypatch):
-    monkeypatch.setattr(conftest, "AOT_SAMPLE", 1)      # whatever the run samples
+def test_broken_kernel_fails_the_check(every_spec):
     (spec, args, constexprs), _ = one_launch()
     # the same kernel with a score_mod snippet that names nothing: same arguments
     broken = dataclasses.replace(spec, score=Snippet((), "qk + no_such_name_in_the_kernel", "float"))
@@ -75,10 +79,9 @@ def test_broken_kernel_fails_the_check(monkeypatch):
 
 
 @pytest.mark.skipif(not conftest._AOT_POOL, reason="no compile workers (FLEXGEN_TEST_AOT_WORKERS=0)")
-def test_a_worker_sends_back_a_broken_kernels_error(monkeypatch):
+def test_a_worker_sends_back_a_broken_kernels_error(every_spec):
     """What the pool does with every launch: the spec, argument types and constexprs cross to
     a worker process, which renders the module itself and returns the compiler's error text."""
-    monkeypatch.setattr(conftest, "AOT_SAMPLE", 1)
     (spec, args, constexprs), _ = one_launch()
     broken = dataclasses.replace(spec, score=Snippet((), "qk + not_defined_in_a_worker", "float"))
     future, new = conftest._compile(broken, args, constexprs, conftest._AOT_POOL[0])
