@@ -16,8 +16,8 @@ Environment (set here, before flexgen is imported):
   key. CI's pass with the newest Triton takes 4: there a kernel must compile or decline, and
   what moves between releases (Triton's and Gluon's API, its lowering) moves for every kernel
   of a template alike; its pass with Triton 3.6, the GPU machines' compiler, compiles every
-  kernel. The compiles are most of a CI run's CPU (fp32 launches, the CPU tests' dtype, compile
-  their dots as unrolled FMAs: ~3 s a forward kernel, 8-14 s a backward).
+  kernel. The compiles are most of a CI run's CPU: fp32 launches, the CPU tests' dtype, compile
+  ~2-5 s each (their dots as the GPU plans them, "tf32x3": ``aot.compile_signature``).
 - ``FLEXGEN_TEST_AOT_WORKERS`` (default 2): worker processes for the sm_90 compile
   check (below); 0 compiles in the test process, right after each test body. Two on a
   2-core machine keep both cores busy through the compiles' tail: the whole suite with

@@ -119,3 +119,13 @@ def test_a_sampled_run_compiles_a_fixed_share_of_specs(monkeypatch):
         conftest.skip_outside_aot_sample(outside)
     monkeypatch.setattr(conftest, "AOT_SAMPLE", 1)
     assert all(conftest.aot_sampled(s) for s in specs)
+
+
+def test_fp32_launches_compile_with_the_gpus_dot_precision(every_spec):
+    """A float32 launch recorded on the CPU says "ieee" (the interpreter's exact products); on
+    the GPU fp32 dots take ``gpu_fp32_dot_precision()`` ("tf32x3", float32's accuracy from
+    tensor cores, unless torch allows tf32), and that is the kernel the check compiles."""
+    (spec, args, constexprs), _ = one_launch()
+    assert spec.dtype == "float32" and constexprs["DOT_PRECISION"] == "ieee"
+    ttir = aot.compile_launch(spec, args, constexprs).asm["ttir"]
+    assert "inputPrecision = tf32x3" in ttir     # ("ieee", the default, prints no attribute)

@@ -180,6 +180,11 @@ def dot_precision(query: torch.Tensor) -> str:
     interpreter, fp16 / bf16, where the precision does not apply)."""
     if query.dtype != torch.float32 or query.device.type != "cuda":
         return "ieee"
+    return gpu_fp32_dot_precision()
+
+
+def gpu_fp32_dot_precision() -> str:
+    """What fp32 dots take on the GPU (``dot_precision``): tf32 where torch allows it."""
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 else FP32_DOT
 
 

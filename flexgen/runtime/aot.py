@@ -20,6 +20,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..runtime import compiler_key, driver, launch
 from ..codegen import cache
+from ..codegen.spec import gpu_fp32_dot_precision
 
 HOPPER = GPUTarget("cuda", 90, 32)
 try:        # Gluon kernels take Gluon's descriptors (which carry a shared-memory layout)
@@ -71,6 +72,11 @@ def compile_signature(spec, types, constexprs, target=HOPPER):
     names = kernel.arg_names
     if "DOT_UPCAST" in names:
         constexprs = dict(constexprs, DOT_UPCAST=False)   # the GPU path, not the interpreter's
+    if constexprs.get("DOT_PRECISION") == "ieee" and spec.dtype == "float32":
+        # fp32 dots as the GPU plans them (spec.dot_precision: "tf32x3" by default): a launch
+        # recorded on the CPU says "ieee", which the GPU takes only by FLEXGEN_FP32_DOT=ieee
+        # and which compiles 2-2.4x slower (unrolled FMA loops).
+        constexprs = dict(constexprs, DOT_PRECISION=gpu_fp32_dot_precision())
     if "EXACT_SIGMOID" in names:
         # tanh.approx for half inputs, as the GPU runs it (launch._launch_once)
         constexprs = dict(constexprs, EXACT_SIGMOID=not cache.half_inputs(spec))
