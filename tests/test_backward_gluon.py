@@ -8,14 +8,16 @@ through an mbarrier ring; the consumers compute Sᵀ = K Qᵀ and dPᵀ = V dO�
 recompute Pᵀ from the LSE, and accumulate dV += Pᵀ dO, dK += dSᵀ Q in registers. dQ: a
 program owns BLOCK_M queries, 64 per consumer warpgroup, with Q and dO in shared memory, and
 the producer streams the K and V tiles of the kv lists; it writes delta and accumulates
-dQ += dS K. A score_mod whose captured tensors want gradients keeps the tl dQ kernel (it
-scatters them).
+dQ += dS K, and adds the gradients of a score_mod's captured tensors with atomics, as the tl
+dQ kernel does (one macro, ``common.scatter_gradients``, renders both).
 
 Gluon does not run in Triton's interpreter: on CPU this file checks the choice and its
 refusals, and that every variant compiles for sm_90 with the installed Triton (3.6 and the
 newest). The comparisons with the float64 oracle need an sm_90 GPU and are skipped elsewhere.
 """
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -69,18 +71,22 @@ def test_backend_gluon_plans_the_gluon_backward_kernels(as_if_hopper):
     assert tl_bw.gluon_dkdv is None and tl_bw.gluon_dq is None
 
 
-def test_learned_captured_tensors_keep_the_tl_dq_kernel(as_if_hopper):
-    """The tl dQ kernel scatters a learned tensor's gradient; the Gluon one has no scatter, so
-    such a score_mod keeps the tl dQ kernel, under BACKEND "gluon" too (the dK/dV kernel
-    only reads the tensor and stays Gluon)."""
+def test_learned_captured_tensors_take_the_gluon_dq_kernel_under_backend_gluon(as_if_hopper, monkeypatch):
+    """The Gluon dQ kernel adds a learned tensor's gradient as the tl one does (the same
+    scatter, one macro); BACKEND "gluon" takes it, AUTO only under GLUON_DQ_SCATTERS. The
+    fused kernel adds none: such a backward keeps the two kernels."""
     q, k, v = make_qkv(B=1, H=4, L=300, D=64, dtype=torch.bfloat16)
-    _, bw = backward_plan(q, k, v, learned_bias())
-    assert bw.dq.scatters and bw.gluon_dq is None and bw.gluon_dkdv is not None
-    bias = torch.linspace(-0.5, 0.5, 4)        # (no gradient wanted: the Gluon dQ kernel)
-
-    def frozen(score, b, h, q_idx, kv_idx):
-        return score + bias[h]
-    assert backward_plan(q, k, v, frozen)[1].gluon_dq is not None
+    monkeypatch.setattr(plan_module, "GLUON_FUSED", True)
+    _, bw = backward_plan(q, k, v, relative_bias(4, 300, 300, learned=True))
+    assert bw.dq.scatters and bw.gluon_dq.scatters == bw.dq.scatters and bw.gluon_fused is None
+    source = cache.source(bw.gluon_dq)
+    assert "gl.atomic_add(g_ptr, g_val" in source and "gl.gather(g_val" in source
+    assert "sbuf0_grad_ptr" in cache.load(bw.gluon_dq, interpret=False).KERNEL.arg_names
+    big = make_qkv(B=1, H=64, L=4096, D=128, dtype=torch.bfloat16)
+    assert backward_plan(*big, learned_bias(64), options=None)[1].gluon_dq is None
+    monkeypatch.setattr(plan_module, "GLUON_DQ_SCATTERS", True)
+    plan_module.clear_memos()       # (the plan keeps its backward)
+    assert backward_plan(*big, learned_bias(64), options=None)[1].gluon_dq.scatters
 
 
 def symmetric_alibi(H):
@@ -207,10 +213,10 @@ def test_sigmoid_and_varlen_backwards_never_take_it(as_if_hopper):
 
 # ------------------------------------------------------------------------- sm_90 compile
 
-def learned_bias(device="cpu"):
-    """A score_mod whose captured tensor requires grad: the tl dQ kernel scatters its gradient,
-    the Gluon dK/dV kernel only reads it."""
-    bias = torch.linspace(-0.5, 0.5, 4, device=device).requires_grad_()
+def learned_bias(H=4, device="cpu"):
+    """A score_mod whose captured tensor requires grad: the dQ kernels scatter its gradient
+    (a sum over the whole tile), the dK/dV kernels only read it."""
+    bias = torch.linspace(-0.5, 0.5, H, device=device).requires_grad_()
 
     def score_mod(score, b, h, q_idx, kv_idx):
         return score + bias[h]
@@ -226,6 +232,9 @@ CASES = {
                                  M.sliding_window(100), (128, 64), {}),
     "learned_bias_causal_d64_m128": (64, torch.float16, 4, 2, 300, 300, "learned", M.causal_mask, 128,
                                      {"BLOCK_M1": 128}),
+    # A learned relative-position table: its gradient summed along each tile diagonal first.
+    "learned_relbias_document_gqa_d128": (128, torch.bfloat16, 4, 2, 300, 300, "learned_relbias", "doc",
+                                          128, {}),
     "causal_d128_m128": (128, torch.bfloat16, 2, 2, 256, 256, None, M.causal_mask, 128, {"BLOCK_M1": 128}),
     # Soft-capping at head dim 128: the fused kernel's warpgroups keep their own dSᵀ rows.
     "softcap_causal_gqa_d128": (128, torch.bfloat16, 4, 2, 300, 300, M.tanh_softcap(20.0), M.causal_mask, 128, {}),
@@ -241,8 +250,10 @@ CASES = {
 def case_inputs(name, device="cpu"):
     D, dtype, H, Hkv, Lq, Lkv, score, mask, block, options = CASES[name]
     q, k, v = make_qkv(B=2, H=H, Hkv=Hkv, L=Lq, Lkv=Lkv, D=D, dtype=dtype, device=device)
-    score = {"alibi": lambda: alibi_bias(H, device), "learned": lambda: learned_bias(device),
-             "relbias": lambda: relative_bias(H, Lq, Lkv, device)}.get(score, lambda: score)()
+    score = {"alibi": lambda: alibi_bias(H, device), "learned": lambda: learned_bias(H, device),
+             "relbias": lambda: relative_bias(H, Lq, Lkv, device),
+             "learned_relbias": lambda: relative_bias(H, Lq, Lkv, device, learned=True),
+             }.get(score, lambda: score)()
     mask = doc_mask(max(Lq, Lkv), device) if mask == "doc" else mask
     bm = None if mask is None else create_block_mask(mask, None, None, Lq, Lkv, device=device,
                                                      BLOCK_SIZE=block)
@@ -255,13 +266,13 @@ def case_inputs(name, device="cpu"):
 def test_gluon_backward_compiles_for_sm90(as_if_hopper, monkeypatch, name, part):
     """Each variant of the three kernels compiles to a cubin for sm_90 with the installed
     Triton, with the argument types of a real launch (Gluon TMA descriptors, the lists,
-    captured tensors); a score_mod whose captured tensors want gradients has no Gluon dQ
-    kernel and no fused one, nor have 128 query rows at head dim 128 a fused one."""
+    captured tensors, their gradient buffers); a score_mod whose captured tensors want
+    gradients has no fused kernel, nor have 128 query rows at head dim 128 one."""
     monkeypatch.setattr(plan_module, "GLUON_FUSED", part == "fused")
     q, k, v, score, bm, options = case_inputs(name)
     call, bw = backward_plan(q, k, v, score, bm, options)
     spec = {"dq": bw.gluon_dq, "dkdv": bw.gluon_dkdv, "fused": bw.gluon_fused}[part]
-    if (part != "dkdv" and bw.dq.scatters) or (part == "fused" and name == "causal_d128_m128"):
+    if part == "fused" and (bw.dq.scatters or name == "causal_d128_m128"):
         assert spec is None
         return
     assert spec.template == "backward_gluon" and spec.part == part
@@ -279,7 +290,8 @@ def test_gluon_backward_compiles_for_sm90(as_if_hopper, monkeypatch, name, part)
         # (the fused kernel's dQ: the float32 sum its reduce-adds go to)
         dq=torch.empty(q.shape) if part == "fused" else torch.empty_like(q), dk=torch.empty_like(k),
         dv=torch.empty_like(v), sparse=sparse, score_buffers=score_buffers, mask_buffers=mask_buffers,
-        grad_buffers=(), scale=0.125)
+        grad_buffers=backward_module.gradient_buffers(bw, score_buffers, "cpu") if part == "dq" else (),
+        scale=0.125)
     if part == "fused":
         assert "cp.reduce.async.bulk.tensor" in aot.compile_launch(spec, args, constexprs).asm["ptx"]
     if part == "dq":
@@ -294,6 +306,33 @@ def test_gluon_backward_compiles_for_sm90(as_if_hopper, monkeypatch, name, part)
     if name == "causal_d64_fp16":   # a grid of many waves takes its programs row by row too
         assert constexprs["BLOCK_MAJOR"]
         assert aot.compile_launch(spec, args, dict(constexprs, BLOCK_MAJOR=False)).asm.get("cubin")
+
+
+@pytest.mark.skipif(not conftest.AOT_ENABLED, reason="FLEXGEN_TEST_AOT=0")
+def test_gluon_dq_deterministic_scatter_compiles_for_sm90(as_if_hopper):
+    """Under torch.use_deterministic_algorithms the dQ kernel adds the gradients as int64 fixed
+    point (the same order-free sums as the tl kernel's)."""
+    q, k, v = make_qkv(B=1, H=4, L=300, D=64, dtype=torch.bfloat16)
+    per_key = torch.randn(300).requires_grad_()
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + per_key[kv_idx]
+    torch.use_deterministic_algorithms(True)
+    try:
+        _, bw = backward_plan(q, k, v, score_mod)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    spec = bw.gluon_dq
+    assert spec.deterministic and spec.grad_buffers[0].dtype == "int64"
+    conftest.skip_outside_aot_sample(spec)
+    lse = torch.empty(1, 4, 300)
+    grid, args, constexprs = cache.load(spec, interpret=False).arguments(
+        q=q, k=k, v=v, out=torch.empty_like(q), dout=torch.empty_like(q), lse=lse, dlse=None, delta=lse,
+        dq=torch.empty_like(q), dk=None, dv=None, sparse=None, score_buffers=[per_key.detach()],
+        mask_buffers=(), grad_buffers=backward_module.gradient_buffers(bw, [per_key], "cpu"), scale=0.125)
+    ptx = aot.compile_launch(spec, args, constexprs).asm["ptx"]
+    adds = set(re.findall(r"\b(?:atom|red)\.[\w.]*add\.(\w+)", ptx))
+    assert "u64" in adds and "f32" not in adds, adds
 
 
 @pytest.mark.parametrize("D", [64, 128])
@@ -366,8 +405,8 @@ def _check(name, got, want, tol):
 
 
 def check_gradients(q, k, v, score=None, bm=None, options=GLUON, learned=(), tol=3e-2, fused=False, scale=None):
-    """One training step through flex_attention (the Gluon dK/dV and dQ kernels; the tl dQ
-    kernel where a captured tensor wants a gradient; ``fused``: the fused kernel) against
+    """One training step through flex_attention (the Gluon dK/dV and dQ kernels; ``fused``: the
+    fused kernel) against
     autograd through the float64 oracle from float32 copies of the same inputs; the Gluon
     kernels must have run."""
     leaves = [t.detach().requires_grad_() for t in (q, k, v)] + list(learned)
@@ -377,8 +416,7 @@ def check_gradients(q, k, v, score=None, bm=None, options=GLUON, learned=(), tol
         dout = torch.randn_like(out)
         got = torch.autograd.grad(out, leaves, dout)
     gluon_parts = [s.part for s, _, _ in launches if s.template == "backward_gluon"]
-    scatters = any(s.template == "backward" and s.part == "dq" and s.scatters for s, _, _ in launches)
-    assert sorted(gluon_parts) == (["fused"] if fused else ["dkdv"] if scatters else ["dkdv", "dq"])
+    assert sorted(gluon_parts) == (["fused"] if fused else ["dkdv", "dq"])
     ref_leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
     ref = flex_attention_reference(*ref_leaves, score_mod=score, mask_mod=bm, enable_gqa=True,
                                    scale=scale, dtype=torch.float64)
@@ -456,19 +494,48 @@ def test_gluon_lse_gradient(monkeypatch, D, fused):
         _check(name, g, w, 3e-2)
 
 
-@needs_hopper
-def test_gluon_learned_bias_gradient_comes_from_the_tl_dq_kernel():
-    """A captured tensor that requires grad: the tl dQ kernel scatters its gradient, the Gluon
-    dK/dV kernel reads the tensor only."""
-    q, k, v = make_qkv(B=1, H=4, Hkv=2, L=700, D=64, dtype=torch.bfloat16, device="cuda")
-    # A bias per key (a per-head one shifts whole rows: its exact gradient is 0, and the
-    # check would compare rounding noise with 0).
-    bias = (0.5 * torch.randn(700, device="cuda")).requires_grad_()
+def learned_mods(H, L, device):
+    """(name, score_mod, its learned tensor): one of each way the dQ kernel adds a gradient.
+    (No bias per head alone: it shifts whole rows, its exact gradient is 0, and the check
+    would compare rounding noise with 0.)"""
+    per_key = (0.5 * torch.randn(L, device=device)).requires_grad_()
+    slopes = torch.linspace(0.05, 0.4, H, device=device).requires_grad_()
+    relative = (0.5 * torch.randn(2 * L, device=device)).requires_grad_()
+    table = (0.5 * torch.randn(H, L, L, device=device)).requires_grad_()
+    return {
+        "per_key": (lambda score, b, h, q_idx, kv_idx: score + per_key[kv_idx], per_key),   # rows summed
+        "alibi_slopes": (lambda score, b, h, q_idx, kv_idx: score - slopes[h] * (q_idx - kv_idx), slopes),
+        "relative": (lambda score, b, h, q_idx, kv_idx: score + relative[q_idx - kv_idx + L], relative),
+        "table": (lambda score, b, h, q_idx, kv_idx: score + table[h, q_idx, kv_idx], table),   # per element
+    }
 
-    def score_mod(score, b, h, q_idx, kv_idx):
-        return score + bias[kv_idx]
+
+@needs_hopper
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("learned", ["per_key", "alibi_slopes", "relative", "table"])
+def test_gluon_dq_kernel_adds_learned_tensors_gradients(learned, D):
+    """A captured tensor that requires grad: the Gluon dQ kernel adds its gradient (summed over
+    the tile's rows, columns, diagonals or not at all, as its index allows), the Gluon dK/dV
+    kernel reads the tensor only; ragged length, GQA, a causal mask."""
+    q, k, v = make_qkv(B=1, H=4, Hkv=2, L=700, D=D, dtype=torch.bfloat16, device="cuda")
+    score_mod, tensor = learned_mods(4, 700, "cuda")[learned]
     bm = create_block_mask(M.causal_mask, None, None, 700, 700, device="cuda")
-    check_gradients(q, k, v, score_mod, bm, learned=[bias])
+    check_gradients(q, k, v, score_mod, bm, learned=[tensor])
+
+
+@needs_hopper
+def test_gluon_dq_kernel_adds_learned_gradients_deterministically():
+    """Deterministic mode: the Gluon dQ kernel's fixed-point sums give the same gradient bit for
+    bit on every run, within the oracle's tolerance."""
+    q, k, v = make_qkv(B=1, H=4, Hkv=2, L=700, D=64, dtype=torch.bfloat16, device="cuda")
+    score_mod, tensor = learned_mods(4, 700, "cuda")["relative"]
+    torch.use_deterministic_algorithms(True)
+    try:
+        first = check_gradients(q, k, v, score_mod, learned=[tensor])
+        second = check_gradients(q, k, v, score_mod, learned=[tensor])
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.equal(first[3], second[3])
 
 
 @needs_hopper

@@ -250,8 +250,10 @@ def first_rows(b, h, q_idx, kv_idx):
     return q_idx < 250
 
 
-def relative_bias(H, Lq, Lkv, device="cpu"):
+def relative_bias(H, Lq, Lkv, device="cpu", learned=False):
+    """A relative-position table exactly the size the call needs (``learned``: wanting a gradient)."""
     table = torch.linspace(-1.0, 1.0, H * (Lq + Lkv - 1), device=device).reshape(H, -1).sin()
+    table.requires_grad_(learned)
 
     def score_mod(score, b, h, q_idx, kv_idx):
         return score + table[h, q_idx - kv_idx + Lkv - 1]

@@ -105,6 +105,15 @@ def gluon_backward(part, score_mod=None, mask_mod=None, D=64, block=None):
     return render
 
 
+def learned_relative_bias():
+    """A score_mod reading a relative-position table that wants a gradient."""
+    table = torch.linspace(-1.0, 1.0, 2 * L).requires_grad_()
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + table[q_idx - kv_idx + L]
+    return score_mod
+
+
 def decode_api(score_mod, mask_mod, D=64, Dv=64):
     """decode_attention's kernel (a mask_mod evaluated per position, no block lists)."""
     def render():
@@ -174,6 +183,9 @@ CASES = {
         "dq", M.tanh_softcap(30.0), M.causal_mask, D=128)),
     "dq_gluon_alibi_document": ("backward_gluon", "delta_r = gl.sum(", gluon_backward(
         "dq", M.alibi(slopes=M.alibi_slopes(4)), M.document_mask(DOC))),
+    # ... adding a learned relative-position table's gradient, a sum per tile diagonal
+    "dq_gluon_learned_relative_causal": ("backward_gluon", "g_rot = gl.gather(g_val", gluon_backward(
+        "dq", learned_relative_bias(), M.causal_mask)),
     # backward: the fused Gluon kernel (dK, dV, and dQ by TMA reduce-adds): its warpgroups
     # share the dSᵀ tile and split dQ's columns (at head dim 128 the tile is dK's operand too),
     # except at head dim 128 under a soft-cap; and the kernel before it (delta, the zeroed sum)

@@ -50,7 +50,7 @@ from .snippet import Snippet
 # forward_gluon 12: a tile's key term as a shift of the rows' maxima. backward_gluon 13: the dK/dV
 # and fused kernels' producer puts each query tile's lse2 and delta rows beside its Q tile.)
 SIGMOID_REVISION = 4
-TEMPLATE_VERSIONS = {"forward": 13, "forward_gluon": 12, "backward_gluon": 13, "backward_delta": 1, "block_mask": 5,
+TEMPLATE_VERSIONS = {"forward": 13, "forward_gluon": 12, "backward_gluon": 14, "backward_delta": 1, "block_mask": 5,
                      "block_lists": 2, "decode": 4, "decode_merge": 2, "paged_write": 3,
                      "backward": 13, "linear": 5, "linear_decode": 2}
 

@@ -34,14 +34,15 @@ On sm_90 both parts also have a Gluon kernel (``templates/backward_gluon.py.jinj
 ``plan.gluon_backward_spec``): warp-specialized, a TMA producer warp
 streaming tiles through an mbarrier ring to consumer warpgroups that own 64 keys (dK/dV)
 or 64 queries (dQ) each (async wgmma). BACKEND "gluon" takes them (an InputError where
-they cannot run); a call whose tensors TMA cannot address runs the tl kernels. Neither
-scatters: a score_mod whose captured tensors want gradients keeps the tl dQ kernel.
+they cannot run); a call whose tensors TMA cannot address runs the tl kernels. The Gluon dQ
+kernel scatters the captured tensors' gradients as the tl one does (``common.scatter_gradients``,
+one macro for both); AUTO gives it such a score_mod only under ``plan.GLUON_DQ_SCATTERS``.
 
 The Gluon dK/dV kernel also has a fused form (part "fused", ``plan.GLUON_FUSED``): it adds
 each tile's dS K into a float32 dQ through TMA reduce-adds, so S, dP and the mods are
 computed once per tile pair. A small tl kernel (``templates/backward_delta.py.jinja``) comes
 first: delta, and the float32 sum zeroed; the sum is rounded into dQ after. Its adds come in
-any order, so a deterministic backward never takes it.
+any order, so a deterministic backward never takes it, nor does one that scatters gradients.
 """
 from __future__ import annotations
 

@@ -35,10 +35,11 @@ OPTIONS = {
 # BACKEND values: AUTO picks by shape (the decode kernel for at most 16 queries per
 # sequence, else the forward kernel); TRITON always the forward kernel; TRITON_DECODE
 # always the decode kernel (torch's names). "tl" is AUTO with Triton-language templates
-# only; "gluon" always the Gluon forward kernel and the Gluon dK/dV backward kernel (sm_90,
-# fp16 / bf16, head dims 64 and 128; anything else is an InputError saying why). AUTO
-# picks the Gluon forward for large calls (plan.GLUON_AUTO), the Gluon dK/dV kernel where
-# it steps 128 queries (plan.GLUON_DKDV_BLOCK_M).
+# only; "gluon" always the Gluon forward kernel and the Gluon dQ and dK/dV backward kernels
+# (sm_90, fp16 / bf16, head dims 64 and 128; anything else is an InputError saying why), or
+# the fused Gluon backward where it can run. AUTO picks the Gluon forward for large calls
+# (plan.GLUON_AUTO) and the Gluon backward kernels where they were measured ahead (plan's
+# GLUON_BACKWARD_MIN_SCORES, GLUON_DKDV_BLOCK_M, GLUON_DQ_AUTO, GLUON_FUSED rules).
 BACKENDS = ("AUTO", "TRITON", "TRITON_DECODE", "tl", "gluon")
 # torch's options that tune torch's own kernels only: accepted (their values checked as
 # torch types them), no effect here. FORCE_USE_FLEX_ATTENTION=True is BACKEND "TRITON".

@@ -70,11 +70,11 @@ GLUON_MIN_BAND_D64 = 2048
 # score_mod computes a tile of both positions (ALiBi per element: 125 spilled stores at 128 rows,
 # none at 64; taken as key and row terms, KernelSpec.score_terms, it computes none).
 GLUON_DKDV_BLOCK_M = {64: 128, 128: 64}
-# AUTO takes it (sm_90; the dQ kernel stays tl) where it steps 128 queries, for calls of at
-# least GLUON_BACKWARD_MIN_SCORES scores: the H100 measured it 1.12-1.31x the tl dK/dV kernel
-# there (16k: full 3.47 against 4.98 ms, causal 1.88 against 2.33, softcap's backward 8.9
-# against 11.7), even on document and sliding-window masks, and 12% slower on ALiBi at 128
-# rows; at 64 rows it ties the tl kernel (benchmarks/NOTES.md, "Gluon dK/dV").
+# AUTO takes it (sm_90; the dQ kernel by its own rules below) where it steps 128 queries, for
+# calls of at least GLUON_BACKWARD_MIN_SCORES scores: the H100 measured it 1.12-1.31x the tl
+# dK/dV kernel there (16k: full 3.47 against 4.98 ms, causal 1.88 against 2.33, softcap's
+# backward 8.9 against 11.7), even on document and sliding-window masks, and 12% slower on
+# ALiBi at 128 rows; at 64 rows it ties the tl kernel (benchmarks/NOTES.md, "Gluon dK/dV").
 GLUON_BACKWARD_MIN_SCORES = 2 ** 30
 # The Gluon dQ kernel's keys per step (BLOCK_N2 sets them; 64 where the score_mod computes a
 # tile of both positions: ALiBi per element spilled at 128 and head dim 128). AUTO takes the kernel for calls
@@ -89,6 +89,9 @@ GLUON_BACKWARD_MIN_SCORES = 2 ** 30
 # the forward does (GLUON_MIN_BAND_D64; benchmarks/NOTES.md, "Gluon dQ").
 GLUON_DQ_BLOCK_N = {64: 128, 128: 128}
 GLUON_DQ_AUTO = True
+# Whether AUTO's rules above also give the Gluon dQ kernel a score_mod whose captured tensors
+# want gradients (it adds them with atomics, as the tl kernel does; BACKEND "gluon" takes it).
+GLUON_DQ_SCATTERS = False
 # The fused Gluon backward (part "fused": the dK/dV kernel also adds dS K into a float32 dQ
 # through TMA reduce-adds, so S, dP and the mods are computed once per tile pair: five
 # products where the two kernels take seven, and one recomputed tile where they take two).
@@ -566,9 +569,10 @@ def plan_backward(plan: AttentionPlan, query, key, value, grad_slots: tuple):
                 gluon = None        # (where it ties the tl kernel, AUTO keeps the tl kernel)
             gluon_dq, _ = gluon_backward_spec(plan, query, key, value, bw.dq)
             # AUTO at head dim 64: ahead under a block mask wider than a narrow band, at 128 keys.
-            if opts.BACKEND == "AUTO" and (not GLUON_DQ_AUTO or (plan.D == 64 and (
-                    plan.mask_info is None or gluon_dq is None or gluon_dq.block_n < 128
-                    or _narrow_band(plan.mask, 64)))):
+            if opts.BACKEND == "AUTO" and (
+                    not GLUON_DQ_AUTO or (bw.dq.scatters and not GLUON_DQ_SCATTERS) or (plan.D == 64 and (
+                        plan.mask_info is None or gluon_dq is None or gluon_dq.block_n < 128
+                        or _narrow_band(plan.mask, 64)))):
                 gluon_dq = None
         fused = None
         # (a size rule, AUTO's alone, as GLUON_BACKWARD_MIN_SCORES is)
@@ -618,17 +622,15 @@ def gluon_backward_spec(plan: AttentionPlan, query, key, value, spec):
     keys, BLOCK_N1 / BLOCK_N; else 128 where the sparse block allows, else 64) and steps
     through the other side (dQ: keys, BLOCK_N2 / BLOCK_N; dK/dV: queries, BLOCK_M1 / BLOCK_M;
     else GLUON_DQ_BLOCK_N's / GLUON_DKDV_BLOCK_M's where the sparse block and the score_mod
-    allow, else 64). Neither kernel scatters a captured tensor's gradient: a dQ spec that
-    scatters one keeps the tl kernel, under BACKEND "gluon" too; any other reason is an
-    InputError under BACKEND "gluon"."""
+    allow, else 64). The dQ kernel scatters a captured tensor's gradient as the tl one does (the
+    fused kernel does not: the two kernels take such a backward). A reason it cannot run is an
+    InputError under BACKEND "gluon" (the fused kernel is optional: the two kernels run instead)."""
     opts, info = plan.options, plan.mask_info
     dq = spec.part == "dq"
     kernel = "dQ" if dq else "dK/dV"
     why = gluon_unavailable(query, plan.D, plan.Dv)
     if why is None and not _tma_shapes_ok(query, key, value):
         why = "query / key / value layouts TMA cannot step through (make them contiguous)"
-    if why is None and spec.scatters:
-        why = "a score_mod whose captured tensors want gradients (the tl dQ kernel scatters them)"
     sparse = dict(zip(("BLOCK_M", "BLOCK_N"), info.block_size if info is not None else (128, 128)))
     chosen = opts.tiles(spec.part)
     own, step = ("BLOCK_M", "BLOCK_N") if dq else ("BLOCK_N", "BLOCK_M")
@@ -654,7 +656,7 @@ def gluon_backward_spec(plan: AttentionPlan, query, key, value, spec):
         why = (f"BLOCK_M1 {tiles['BLOCK_M']} and {stages} stages at head dim {plan.D} (more shared memory than "
                "the fused kernel has)")
     # (The fused kernel is optional: where it cannot run, the two kernels do.)
-    if why is not None and opts.BACKEND == "gluon" and not spec.scatters and spec.part != "fused":
+    if why is not None and opts.BACKEND == "gluon" and spec.part != "fused":
         raise expected("kernel_options['BACKEND']", "'gluon' only where the Gluon kernels run",
                        f"a backward the Gluon {kernel} kernel cannot run: {why}",
                        "use BACKEND 'AUTO' or 'tl' (the Triton-language kernels)")
