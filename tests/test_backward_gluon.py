@@ -80,7 +80,7 @@ def test_learned_captured_tensors_take_the_gluon_dq_kernel_under_backend_gluon(a
     _, bw = backward_plan(q, k, v, relative_bias(4, 300, 300, learned=True))
     assert bw.dq.scatters and bw.gluon_dq.scatters == bw.dq.scatters and bw.gluon_fused is None
     source = cache.source(bw.gluon_dq)
-    assert "gl.atomic_add(g_ptr, g_val" in source and "gl.gather(g_val" in source
+    assert "gl.atomic_add(gl.convert_layout(g_ptr" in source and "gl.gather(g_val" in source
     assert "sbuf0_grad_ptr" in cache.load(bw.gluon_dq, interpret=False).KERNEL.arg_names
     big = make_qkv(B=1, H=64, L=4096, D=128, dtype=torch.bfloat16)
     assert backward_plan(*big, learned_bias(64), options=None)[1].gluon_dq is None
@@ -531,7 +531,9 @@ def test_gluon_dq_kernel_adds_learned_gradients_deterministically():
     score_mod, tensor = learned_mods(4, 700, "cuda")["relative"]
     torch.use_deterministic_algorithms(True)
     try:
+        torch.manual_seed(1)            # (the same upstream gradient both times)
         first = check_gradients(q, k, v, score_mod, learned=[tensor])
+        torch.manual_seed(1)
         second = check_gradients(q, k, v, score_mod, learned=[tensor])
     finally:
         torch.use_deterministic_algorithms(False)
@@ -643,8 +645,8 @@ def test_fused_cases_match_the_oracle(fused_backward, name):
     """The fused kernel on every case (a learned captured tensor, and 128 query rows at head
     dim 128, keep the two kernels)."""
     q, k, v, score, bm, options = case_inputs(name, device="cuda")
-    check_gradients(q, k, v, score, bm, options, fused=name not in ("learned_bias_causal_d64_m128",
-                                                                    "causal_d128_m128"))
+    check_gradients(q, k, v, score, bm, options,
+                    fused=not name.startswith("learned") and name != "causal_d128_m128")
 
 
 @needs_hopper

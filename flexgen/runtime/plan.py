@@ -91,6 +91,9 @@ GLUON_DQ_BLOCK_N = {64: 128, 128: 128}
 GLUON_DQ_AUTO = True
 # Whether AUTO's rules above also give the Gluon dQ kernel a score_mod whose captured tensors
 # want gradients (it adds them with atomics, as the tl kernel does; BACKEND "gluon" takes it).
+# Off: on the H200 a learned relative bias's forward + backward took 60.9 ms with it against
+# 13.2 for AUTO's (16k, 16 heads, D=64, causal), 6.49 against 2.21 (D=128, documents)
+# (benchmarks/NOTES.md, "Gluon dQ scatters").
 GLUON_DQ_SCATTERS = False
 # The fused Gluon backward (part "fused": the dK/dV kernel also adds dS K into a float32 dQ
 # through TMA reduce-adds, so S, dP and the mods are computed once per tile pair: five
