@@ -18,6 +18,12 @@ Environment (set here, before flexgen is imported):
   of a template alike; its pass with Triton 3.6, the GPU machines' compiler, compiles every
   kernel. The compiles are most of a CI run's CPU: fp32 launches, the CPU tests' dtype, compile
   ~2-5 s each (their dots as the GPU plans them, "tf32x3": ``aot.compile_signature``).
+- ``FLEXGEN_TEST_RECORD_ONCE=path`` / ``FLEXGEN_TEST_COMPILE_RECORDED=path``: CI's two passes.
+  Tests marked ``once`` (torch.compile, torch.distributed, Hugging Face and notebook plumbing,
+  whose kernels come from the same templates as every other test's) run in the first pass only;
+  it writes their launches to ``path``, and the second pass (Triton 3.6, ``-m "not once"``)
+  compiles those for sm_90 from the record, so its compile check still covers every kernel
+  (a failure there fails the session, naming the test that launched the kernel).
 - ``FLEXGEN_TEST_AOT_WORKERS`` (default 2): worker processes for the sm_90 compile
   check (below); 0 compiles in the test process, right after each test body. Two on a
   2-core machine keep both cores busy through the compiles' tail: the whole suite with
@@ -87,6 +93,8 @@ SEED = int(os.environ.get("FLEXGEN_TEST_SEED", "0"))
 AOT_ENABLED = os.environ.get("FLEXGEN_TEST_AOT", "1") != "0"
 AOT_WORKERS = int(os.environ.get("FLEXGEN_TEST_AOT_WORKERS", "2"))
 AOT_SAMPLE = int(os.environ.get("FLEXGEN_TEST_AOT_SAMPLE", "1"))
+RECORD_ONCE = os.environ.get("FLEXGEN_TEST_RECORD_ONCE")
+COMPILE_RECORDED = os.environ.get("FLEXGEN_TEST_COMPILE_RECORDED")
 
 # Absolute tolerances against the float64 oracle, by input dtype. Outputs are
 # convex combinations of V rows (|v| ~ 1), so absolute error is the right measure.
@@ -132,17 +140,31 @@ _OUTSIDE_SAMPLE = concurrent.futures.Future()
 _OUTSIDE_SAMPLE.set_result((None, 0.0))
 # Tests that ended before all their kernels had compiled: [(item, [(spec, future)])].
 _AOT_LATE: list = []
+# FLEXGEN_TEST_RECORD_ONCE: the distinct launches of the tests marked ``once``, by compile key:
+# (the test's id, spec, argument types, constexprs).
+_ONCE_LAUNCHES: dict = {}
+# FLEXGEN_TEST_COMPILE_RECORDED: the compiles of that record, [(test id, spec, future)].
+_RECORDED_COMPILES: list = []
 
 
 def _compile(spec, args, constexprs, pool=None):
     """The session's compile of one recorded launch: (future, whether it is new). A new one
     runs in ``pool``, or here and now; one outside the run's sample (``aot_sampled``) is not
     compiled (a done future of no error)."""
+    return _compile_types(spec, aot.arg_types(args), constexprs, pool)
+
+
+def _compile_key(spec, types, constexprs) -> tuple:
+    """What tells two launches' compiles apart: constexprs too (EVEN_KV and friends select
+    different code in one spec)."""
+    return spec.key, types, tuple(sorted((k, repr(v)) for k, v in constexprs.items()))
+
+
+def _compile_types(spec, types, constexprs, pool=None):
+    """``_compile`` with the arguments' Triton types (``aot.arg_types``)."""
     if not aot_sampled(spec):
         return _OUTSIDE_SAMPLE, False
-    types = aot.arg_types(args)
-    # constexprs too: EVEN_KV and friends select different code in one spec.
-    key = (spec.key, types, tuple(sorted((k, repr(v)) for k, v in constexprs.items())))
+    key = _compile_key(spec, types, constexprs)
     future = _AOT_RESULTS.get(key)
     if future is not None:          # done, or still compiling in a worker: never twice
         return future, False
@@ -242,6 +264,34 @@ def pytest_sessionstart(session):
         for _ in range(AOT_WORKERS):
             pool.submit(int)
         _AOT_POOL.append(pool)
+    if AOT_ENABLED and COMPILE_RECORDED:
+        _compile_the_record(COMPILE_RECORDED)
+
+
+def _compile_the_record(path) -> None:
+    """Start the sm_90 compiles of the launches another pass recorded (FLEXGEN_TEST_RECORD_ONCE),
+    as this Triton renders their specs."""
+    import dataclasses
+    import pickle
+    with open(path, "rb") as f:
+        launches = pickle.load(f)
+    _CURRENT_MODULE[0] = "the first pass's record"      # (the summary's owner of these compiles)
+    for nodeid, spec, types, constexprs in launches:
+        spec = dataclasses.replace(spec, triton_version=triton.__version__)
+        future = _compile_types(spec, types, constexprs, _AOT_POOL[0] if _AOT_POOL else None)[0]
+        _RECORDED_COMPILES.append((nodeid, spec, future))
+    _CURRENT_MODULE[0] = ""
+
+
+def _report_the_record(session) -> None:
+    """Fail the session on each recorded launch that did not compile (its test did not run here)."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    for nodeid, spec, future in _RECORDED_COMPILES:
+        error = _error(future)
+        if error is not None:
+            session.testsfailed += 1
+            reporter.write_line(f"FAILED sm_90 compile of {spec.kernel_name} (template {spec.template!r}), "
+                                f"launched by {nodeid} in the first pass: {error[-3000:]}", red=True)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -263,7 +313,13 @@ def pytest_runtestloop(session):
     finally:
         if _AOT_POOL:               # every outstanding result, before the session's verdict
             _report_late(wait=True)
+        _report_the_record(session)
+        if _AOT_POOL:
             _AOT_POOL.pop().shutdown()
+        if RECORD_ONCE:
+            import pickle
+            with open(RECORD_ONCE, "wb") as f:
+                pickle.dump(list(_ONCE_LAUNCHES.values()), f)
 
 
 # Every launch of the session, by test module: (spec, args, constexprs).
@@ -298,6 +354,10 @@ def pytest_runtest_call(item):
     finally:
         launch.RECORDED = previous
     _LAUNCHES_BY_MODULE.setdefault(item.module.__name__, []).extend(recorded)
+    if RECORD_ONCE and item.get_closest_marker("once") and not item.get_closest_marker("no_aot"):
+        for spec, args, constexprs in recorded:
+            types = aot.arg_types(args)
+            _ONCE_LAUNCHES.setdefault(_compile_key(spec, types, constexprs), (item.nodeid, spec, types, constexprs))
     if AOT_ENABLED and recorded and not item.get_closest_marker("no_aot"):
         if _AOT_POOL:
             _submit_recorded(item, recorded)
@@ -309,6 +369,8 @@ def pytest_runtest_call(item):
 def pytest_configure(config):
     config.addinivalue_line("markers", "no_aot: launches of this test are not AOT-compiled "
                                        "(it launches deliberately broken kernels)")
+    config.addinivalue_line("markers", "once: torch / Hugging Face / distributed plumbing; CI runs it "
+                                       "with the newest Triton only (FLEXGEN_TEST_RECORD_ONCE)")
 
 
 def pytest_terminal_summary(terminalreporter):

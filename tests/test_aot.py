@@ -10,6 +10,7 @@ memo avoids compiling a kernel twice.
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -129,3 +130,24 @@ def test_fp32_launches_compile_with_the_gpus_dot_precision(every_spec):
     assert spec.dtype == "float32" and constexprs["DOT_PRECISION"] == "ieee"
     ttir = aot.compile_launch(spec, args, constexprs).asm["ttir"]
     assert "inputPrecision = tf32x3" in ttir     # ("ieee", the default, prints no attribute)
+
+
+def test_a_recorded_launch_compiles_in_another_pass(every_spec, monkeypatch, tmp_path):
+    """CI's second pass compiles the first pass's record of the "once" tests' launches
+    (FLEXGEN_TEST_COMPILE_RECORDED): a kernel that does not compile fails the session,
+    naming the test that launched it."""
+    import pickle
+    (spec, args, constexprs), _ = one_launch()
+    broken = dataclasses.replace(spec, score=Snippet((), "qk + not_in_the_recorded_kernel", "float"))
+    record = tmp_path / "launches.pkl"
+    record.write_bytes(pickle.dumps([("tests/a.py::good", spec, aot.arg_types(args), constexprs),
+                                     ("tests/b.py::broken", broken, aot.arg_types(args), constexprs)]))
+    monkeypatch.setattr(conftest, "_RECORDED_COMPILES", [])
+    conftest._compile_the_record(record)
+    lines = []
+    reporter = SimpleNamespace(write_line=lambda text, **_: lines.append(text))
+    session = SimpleNamespace(testsfailed=0, config=SimpleNamespace(
+        pluginmanager=SimpleNamespace(get_plugin=lambda name: reporter)))
+    conftest._report_the_record(session)
+    assert session.testsfailed == 1 and len(lines) == 1
+    assert "tests/b.py::broken" in lines[0] and "not_in_the_recorded_kernel" in lines[0]
