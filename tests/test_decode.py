@@ -450,3 +450,21 @@ def test_kernel_source_names_the_mods():
 def test_every_launched_kernel_compiles_for_sm90():
     """Ahead-of-time compile (triton.compile for sm_90) of each distinct kernel launched above."""
     assert_module_launches_compile(__name__, {"decode", "decode_merge"})
+
+
+@pytest.mark.parametrize("name, value", [("BLOCK_M", 48), ("BLOCK_M", 8), ("BLOCK_M", 1000), ("BLOCK_M", 256),
+                                         ("BLOCK_N", 24), ("BLOCK_N", 256), ("BLOCK_M", 32), ("BLOCK_N", 32)])
+def test_tile_options_are_checked_alike_at_decode_and_forward_lengths(name, value):
+    """16 queries take the decode kernel, 17 the forward one: a tile option is accepted or
+    refused alike at both (a power of two >= 16 dividing the sparse block, 128 without a mask)."""
+    k = v = torch.randn(1, 2, 64, 16)
+    outcomes = []
+    for Lq in (16, 17):
+        q = torch.randn(1, 2, Lq, 16)
+        try:
+            flexgen.flex_attention(q, k, v, kernel_options={name: value})
+            outcomes.append("ok")
+        except InputError as err:
+            assert name in str(err) and "dividing the sparse block 128" in str(err)
+            outcomes.append("refused")
+    assert outcomes[0] == outcomes[1] == ("ok" if value == 32 else "refused")

@@ -197,14 +197,18 @@ def tiles(kernel: str, options: KernelOptions, part: str, head_dim: int, dtype: 
     opts = tuning.options(kernel, head_dim, dtype, device, sparse_q, sparse_kv)
     opts.update(options.tiles(part))
     for k, sparse in (("BLOCK_M", sparse_q), ("BLOCK_N", sparse_kv)):
-        v = opts[k]
-        if v < 16 or v & (v - 1) or sparse % v:
-            name = {"dq": {"BLOCK_M": "BLOCK_M2", "BLOCK_N": "BLOCK_N2"},
-                    "dkdv": {"BLOCK_M": "BLOCK_M1", "BLOCK_N": "BLOCK_N1"}}.get(part, {}).get(k, k)
-            raise expected(f"kernel_options[{name!r}]",
-                           f"a power of two >= 16 dividing the sparse block {sparse}", v,
-                           "use 64 or 128 (or a smaller power of two)")
+        check_tile({"dq": {"BLOCK_M": "BLOCK_M2", "BLOCK_N": "BLOCK_N2"},
+                    "dkdv": {"BLOCK_M": "BLOCK_M1", "BLOCK_N": "BLOCK_N1"}}.get(part, {}).get(k, k), opts[k], sparse)
     return opts
+
+
+def check_tile(name: str, value: int, sparse: int) -> None:
+    """A tile of a program (``name``: its kernel_options key) must be a power of two >= 16 dividing
+    the sparse block (128 without a block mask): the same rule for every kernel, so a call is
+    accepted or refused alike whichever kernel its shape takes."""
+    if value < 16 or value & (value - 1) or sparse % value:
+        raise expected(f"kernel_options[{name!r}]", f"a power of two >= 16 dividing the sparse block {sparse}",
+                       value, "use 64 or 128 (or a smaller power of two)")
 
 
 def _use_tma(options: KernelOptions, B, Hq, Lq, Lkv, dtype, device) -> bool:
@@ -494,6 +498,9 @@ def plan_decode(query, key, value, score_traced, mask_traced, info, enable_gqa, 
     score = None if score_traced is None else lower(score_traced)
     mask = None if mask_traced is None else lower(mask_traced)
     sparse_q, sparse_kv = info.block_size if info is not None else (None, None)
+    for name, sparse in (("BLOCK_M", sparse_q), ("BLOCK_N", sparse_kv)):
+        if getattr(options, name) is not None:      # (the forward kernel's rule: check_tile)
+            check_tile(name, getattr(options, name), sparse or 128)
     q_tile, block_m, block_n, warps, stages = decode_geometry(device, G, Lq, max(D, Dv), sparse_q)
     if options.BLOCK_M is not None:
         # The query rows of a program: G heads' q_tile queries each.
@@ -502,10 +509,6 @@ def plan_decode(query, key, value, score_traced, mask_traced, info, enable_gqa, 
     block_n = options.BLOCK_N or block_n
     if sparse_kv is not None:
         block_n = min(block_n, sparse_kv)
-    if block_n < 16 or block_n & (block_n - 1) or (sparse_kv is not None and sparse_kv % block_n):
-        raise expected("kernel_options['BLOCK_N']", "a power of two >= 16"
-                       + (f" dividing the sparse block {sparse_kv}" if sparse_kv else ""), block_n,
-                       "use 64 (or 32 / 128)")
     warps = options.num_warps or warps
     stages = options.num_stages or stages
 
