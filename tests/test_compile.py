@@ -154,6 +154,26 @@ def test_decode_attention_with_device_lengths():
     assert counter.frame_count == 1
 
 
+def test_paged_cache_attention_compiles_once_as_its_sequences_grow():
+    """PagedKVCache.attention in a compiled decode step: no graph break, and one frame while the
+    cache grows between steps (its host lengths are not read while compiling; the kernel reads
+    the device ones)."""
+    cache = flexgen.PagedKVCache(num_pages=16, page_size=8, num_kv_heads=2, head_dim=D, max_batch=2,
+                                 max_pages_per_seq=8, dtype=torch.float32, device="cpu")
+    slots = [cache.add_sequence() for _ in range(2)]
+    cache.append(slots, torch.randn(2, 2, 5, D), torch.randn(2, 2, 5, D))
+
+    def step(q):
+        return cache.attention(q, slots, score_mod=M.tanh_softcap(4.0))
+
+    cstep, counter = compiled(step)
+    for _ in range(3):
+        q = torch.randn(2, 4, 1, D)
+        close(cstep(q), step(q))
+        cache.append(slots, torch.randn(2, 2, 1, D), torch.randn(2, 2, 1, D))
+    assert counter.frame_count == 1
+
+
 @pytest.mark.parametrize("strict", [False, True])
 def test_export_runs_and_matches(strict):
     """torch.export (strict and non-strict): a program with flexgen's ops in it that runs

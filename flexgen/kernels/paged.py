@@ -249,6 +249,8 @@ class PagedKVCache:
         a reassigned (or re-allocated) table or lengths tensor misses.
         """
         table, lengths = self.page_table, self.lengths
+        if torch.compiler.is_compiling():      # (a graph's views cost nothing, and it has no pointers)
+            return table[:n], lengths[:n]
         hit = self._row_views.get(n)
         if hit is None or hit[0] is not table or hit[1] is not lengths \
                 or hit[2].data_ptr() != table.data_ptr() or hit[3].data_ptr() != lengths.data_ptr():
@@ -406,7 +408,11 @@ class PagedKVCache:
                            "[total_q, Hq, D] with q_lengths", got,
                            "pass queries as [batch, heads, tokens, head dim]")
         Lq = query.shape[2]
-        lengths = [self._lengths[s] for s in slots]
+        # Under torch.compile the host lengths, which change every step, are not read (each read
+        # would be a guard, so a recompile a token): the kernel reads the device lengths, the
+        # split count comes from the table's capacity and the check below is eager only.
+        compiling = torch.compiler.is_compiling()
+        lengths = None if compiling else [self._lengths[s] for s in slots]
         if q_lengths is None:
             q_counts = [Lq] * B
         else:
@@ -415,7 +421,7 @@ class PagedKVCache:
             if len(q_counts) != B or min(q_counts) < 0 or max(q_counts) > Lq:
                 raise expected("q_lengths", f"{B} counts from 0 to {Lq}", q_counts,
                                "give each row's number of valid query tokens")
-        short = [s for s, n, q in zip(slots, lengths, q_counts) if q > n]
+        short = [] if compiling else [s for s, n, q in zip(slots, lengths, q_counts) if q > n]
         if short:
             raise expected("query", "no more query tokens than the sequence has cached",
                            f"slot {short[0]} holds {self._lengths[short[0]]} tokens",
@@ -427,8 +433,9 @@ class PagedKVCache:
                                 block_mask=block_mask, scale=scale, enable_gqa=True,
                                 return_lse=return_lse, kv_lengths=kv_lengths, page_table=table,
                                 mask_mod=mask_mod, q_lengths=q_arg, num_splits=num_splits,
-                                kernel_options=kernel_options, max_kv_len=max(lengths, default=0),
-                                _host_lengths=(lengths, q_counts), _packed=packed)
+                                kernel_options=kernel_options,
+                                max_kv_len=None if compiling else max(lengths, default=0),
+                                _host_lengths=None if compiling else (lengths, q_counts), _packed=packed)
 
     def _packed_queries(self, query, B, q_lengths):
         """((packed query, first rows, longest), the [B, Hq, longest, D] view the kernel reads)."""
