@@ -154,6 +154,18 @@ def test_decode_attention_with_device_lengths():
     assert counter.frame_count == 1
 
 
+def test_a_trace_on_fake_tensors_leaves_nothing_fake_behind():
+    """decode_attention traced under FakeTensorMode (make_fx's "fake" tracing) keeps none of its
+    fake constants: later real calls of both entry points run."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        q, k, v = torch.randn(1, 4, 1, D), torch.randn(1, 2, 64, D), torch.randn(1, 2, 64, D)
+        decode_attention(q, k, v, enable_gqa=True)
+    q, k, v = torch.randn(1, 4, 1, D), torch.randn(1, 2, 64, D), torch.randn(1, 2, 64, D)
+    close(decode_attention(q, k, v, enable_gqa=True), flex_attention(q, k, v, enable_gqa=True))
+    assert flex_attention(torch.randn(1, 2, 16, D), k, v).shape == (1, 2, 16, D)
+
+
 def test_paged_cache_attention_compiles_once_as_its_sequences_grow():
     """PagedKVCache.attention in a compiled decode step: no graph break, and one frame while the
     cache grows between steps (its host lengths are not read while compiling; the kernel reads

@@ -192,7 +192,11 @@ def constant(value: int, device) -> torch.Tensor:
 
     Filled on the device, not copied from the host: a copy from pageable memory is refused
     inside a CUDA graph capture (``torch.cuda.graph``: a serving loop's step captured by
-    hand), where nothing is cached (``may_cache``) and each call makes its constants anew."""
+    hand), where nothing is cached (``may_cache``) and each call makes its constants anew. Under
+    a dispatch mode (FakeTensorMode, make_fx's tracing) neither: a fake constant kept would
+    reach later real calls, a real one kept would meet fake tensors."""
+    if torch._C._len_torch_dispatch_stack():
+        return torch.full((1,), value, dtype=torch.int32, device=device)
     key = (value, device)
     t = _CONSTANTS.get(key)
     if t is None:
