@@ -196,9 +196,10 @@ def tiles(kernel: str, options: KernelOptions, part: str, head_dim: int, dtype: 
     caller's choices on top, tiles dividing the sparse blocks."""
     opts = tuning.options(kernel, head_dim, dtype, device, sparse_q, sparse_kv)
     opts.update(options.tiles(part))
+    names = {"dq": {"BLOCK_M": "BLOCK_M2", "BLOCK_N": "BLOCK_N2"},
+             "dkdv": {"BLOCK_M": "BLOCK_M1", "BLOCK_N": "BLOCK_N1"}}.get(part, {})
     for k, sparse in (("BLOCK_M", sparse_q), ("BLOCK_N", sparse_kv)):
-        check_tile({"dq": {"BLOCK_M": "BLOCK_M2", "BLOCK_N": "BLOCK_N2"},
-                    "dkdv": {"BLOCK_M": "BLOCK_M1", "BLOCK_N": "BLOCK_N1"}}.get(part, {}).get(k, k), opts[k], sparse)
+        check_tile(names.get(k, k), opts[k], sparse)
     return opts
 
 
