@@ -78,8 +78,8 @@ def test_auto_picks_gluon_for_large_calls_only(as_if_hopper):
 
 def test_auto_takes_gluon_from_fewer_scores_at_head_dim_128(as_if_hopper):
     """Between GLUON_MIN_SCORES_D128 and GLUON_MIN_SCORES scores AUTO takes the Gluon kernel
-    at head dim 128 where no mod reads a captured tensor (plan.gluon_min_scores); at head dim
-    64, or with a captured tensor, the tl kernel."""
+    at head dim 128 where no mod reads a captured tensor and at 256 always (plan.gluon_min_scores);
+    at head dim 64, or 128 with a captured tensor, the tl kernel."""
     L = 4096
     assert plan_module.GLUON_MIN_SCORES_D128 <= 16 * L * L < plan_module.GLUON_MIN_SCORES
     bias = torch.randn(16)
@@ -98,6 +98,7 @@ def test_auto_takes_gluon_from_fewer_scores_at_head_dim_128(as_if_hopper):
     assert template(128, score_mod=head_bias) == "forward"
     assert template(128, score_mod=head_bias, kernel_options=GLUON) == "forward_gluon"
     assert template(64, block_mask=causal) == "forward"
+    assert template(256, score_mod=head_bias) == "forward_gluon"
 
 
 def test_auto_keeps_tl_for_narrow_bands_at_head_dim_64(as_if_hopper):
@@ -129,7 +130,7 @@ def test_cpu_tensors_are_refused_with_the_reason():
     (("cuda", (8, 0), torch.bfloat16, 64, 64), "sm_90"),
     (("cuda", (10, 0), torch.bfloat16, 64, 64), "sm_90"),
     (("cuda", (9, 0), torch.float32, 64, 64), "float16 / bfloat16"),
-    (("cuda", (9, 0), torch.float16, 80, 80), "64 or 128"),
+    (("cuda", (9, 0), torch.float16, 80, 80), "64, 128 or 256"),
     (("cuda", (9, 0), torch.float16, 128, 64), "equal head dims"),
 ])
 def test_refusals_name_the_reason(args, words):
@@ -138,7 +139,7 @@ def test_refusals_name_the_reason(args, words):
 
 def test_supported_calls_are_accepted():
     for dtype in (torch.float16, torch.bfloat16):
-        for D in (64, 128):
+        for D in (64, 128, 256):
             assert plan_module.gluon_refusal("cuda", (9, 0), dtype, D, D) is None
 
 
@@ -162,6 +163,25 @@ def test_block_sizes_it_cannot_tile_are_refused(as_if_hopper):
     bm = create_block_mask(M.causal_mask, None, None, 256, 256, device="cpu", BLOCK_SIZE=64)
     with pytest.raises(InputError, match="Q_BLOCK 64"):
         flexgen.api.plan(q, k, v, block_mask=bm, kernel_options=GLUON)
+
+
+def test_head_dim_256_takes_64_key_slots(as_if_hopper):
+    """At head dim 256 the K / V ring's slots hold 64 keys, two deep (128 query rows and two
+    128-key slots would not fit in shared memory: BLOCK_N 128 is refused, saying why); the
+    backward keeps the tl kernels (the Gluon ones take 64 or 128), under BACKEND "gluon" a clear
+    refusal naming the head dim."""
+    q, k, v = make_qkv(L=256, D=256, dtype=torch.bfloat16)
+    spec = flexgen.api.plan(q, k, v, kernel_options=GLUON).spec
+    assert (spec.template, spec.block_n, spec.num_stages) == ("forward_gluon", 64, 2)
+    for options in ({"BLOCK_N": 128}, {"num_stages": 3}):
+        with pytest.raises(InputError, match="more shared memory"):
+            flexgen.api.plan(q, k, v, kernel_options=dict(GLUON, **options))
+    call = flexgen.api.plan(q, k, v)
+    bw = plan_module.plan_backward(call, q, k, v, ())
+    assert "64 or 128" in plan_module.gluon_backward_spec(call, q, k, v, bw.dkdv)[1]
+    q.requires_grad_()
+    with pytest.raises(InputError, match="head dim 256"):
+        flex_attention(q, k, v, kernel_options=GLUON).sum().backward()
 
 
 def sigmoid_plan(q, k, v, score_mod=None, block_mask=None, options=None, enable_gqa=False):
@@ -239,6 +259,8 @@ CASES = {
     # Lengths that are multiples of the blocks (EVEN_KV): partial tiles mask with mask_mod alone.
     "document_even_gqa_d64": (64, torch.bfloat16, 4, 2, 512, 512, None, "doc", 128),
     "causal_even_d128": (128, torch.bfloat16, 2, 2, 512, 512, None, M.causal_mask, 128),
+    # Head dim 256: 64-key slots, two deep.
+    "alibi_causal_gqa_d256": (256, torch.bfloat16, 4, 2, 300, 333, "alibi", M.causal_mask, 128),
 }
 
 
@@ -342,8 +364,8 @@ def test_gluon_cases_match_the_oracle(name):
 
 
 @needs_hopper
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D, dtype", [(64, torch.bfloat16), (64, torch.float16), (128, torch.bfloat16),
+                                      (128, torch.float16), (256, torch.bfloat16)])
 @pytest.mark.parametrize("mods", ["none", "causal", "alibi_causal", "softcap_prefix", "document"])
 @pytest.mark.parametrize("shape", [(1, 2, 2, 128, 128), (2, 4, 2, 300, 333), (1, 4, 1, 517, 200)])
 def test_gluon_grid_matches_the_oracle(D, dtype, mods, shape):
@@ -366,7 +388,7 @@ def test_gluon_grid_matches_the_oracle(D, dtype, mods, shape):
 
 
 @needs_hopper
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 def test_gluon_dead_rows_are_zero_with_lse_minus_inf(D):
     """Rows no key is allowed for: output exactly 0 and LSE -inf, as the tl kernel gives;
     sigmoid_attention's rows exactly 0 too."""

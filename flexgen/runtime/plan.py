@@ -58,6 +58,9 @@ GLUON_MIN_SCORES = 2 ** 30
 # captured tensors (the small model's document mask and learned relative bias, 2 x 8 heads x
 # 4k at 128) it ran 0.90x the tl kernel.
 GLUON_MIN_SCORES_D128 = 2 ** 28
+# At head dim 256 (64-key slots) an H200 measured the Gluon kernel 1.3-1.7x the tl kernel from
+# 2**28 scores on (16 heads, 4k to 16k; full, causal, ALiBi, and a document mask reading captured
+# ids: 1.29x at 4 x 2k), so AUTO takes it there from GLUON_MIN_SCORES_D128, captured tensors or not.
 # Except at head dim 64 under a mask whose band of keys per query (``flexgen.masks.ranges``:
 # a sliding window) is at most GLUON_MIN_BAND_D64 wide: each query tile then visits ~10 key
 # tiles, too few for the Gluon kernel's warp-specialized pipeline to fill and drain at this
@@ -351,8 +354,9 @@ def _plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_
 
 def gluon_min_scores(D: int, score_buffers, mask_buffers) -> int:
     """The fewest scores for which AUTO takes the Gluon forward kernel at head dim ``D``:
-    GLUON_MIN_SCORES_D128 at 128 where no mod reads a captured tensor, else GLUON_MIN_SCORES."""
-    if D == 128 and not len(score_buffers) and not len(mask_buffers):
+    GLUON_MIN_SCORES_D128 at 256, and at 128 where no mod reads a captured tensor, else
+    GLUON_MIN_SCORES."""
+    if D == 256 or (D == 128 and not len(score_buffers) and not len(mask_buffers)):
         return GLUON_MIN_SCORES_D128
     return GLUON_MIN_SCORES
 
@@ -363,7 +367,12 @@ def _narrow_band(mask, D: int) -> bool:
     return band is not None and None not in band[:2] and band[1] - band[0] + 1 <= GLUON_MIN_BAND_D64
 
 
-GLUON_HEAD_DIMS = (64, 128)
+# Head dims the Gluon kernels take (equal for keys and values). The forward takes 256 too, with
+# 64-key slots: its 128 query rows (64 KB) and a ring of two 64-key K and V slots (128 KB) fill
+# shared memory. The backward kernels keep tiles of dK, dV (or dQ) beside Sᵀ and dPᵀ in a
+# warpgroup's registers, which at 256 they do not fit: the tl kernels run those backwards.
+GLUON_HEAD_DIMS = (64, 128, 256)
+GLUON_BACKWARD_HEAD_DIMS = (64, 128)
 
 
 def gluon_unavailable(query, D: int, Dv: int) -> str | None:
@@ -385,7 +394,7 @@ def gluon_refusal(device_type: str, capability, dtype, D: int, Dv: int) -> str |
     if dtype not in (torch.float16, torch.bfloat16):
         return f"dtype {dtype} (the Gluon kernel takes float16 / bfloat16)"
     if D != Dv or D not in GLUON_HEAD_DIMS:
-        return f"head dims qk={D}, v={Dv} (the Gluon kernel takes equal head dims of 64 or 128)"
+        return f"head dims qk={D}, v={Dv} (the Gluon kernel takes equal head dims of 64, 128 or 256)"
     missing = gluon_api_missing()
     if missing:
         return f"Triton {triton_version()} whose Gluon API lacks {missing}"
@@ -405,16 +414,20 @@ def _gluon_spec(query, key, value, score, mask, info, opts, proven=((), ())):
     if why is None and not _tma_shapes_ok(query, key, value):
         why = "query / key / value layouts TMA cannot step through (make them contiguous)"
     sparse_q, sparse_kv = info.block_size if info is not None else (128, 128)
-    block_n = opts.BLOCK_N or (128 if sparse_kv % 128 == 0 else 64)
+    block_n = opts.BLOCK_N or (128 if sparse_kv % 128 == 0 and D <= 128 else 64)
     if why is None and (opts.BLOCK_M not in (None, 128) or sparse_q % 128):
         why = (f"BLOCK_M {opts.BLOCK_M} / a block mask's Q_BLOCK {sparse_q} (the Gluon kernel takes "
                "128 query rows, two warpgroups of 64, inside one sparse block)")
     if why is None and (block_n not in (64, 128) or sparse_kv % block_n):
         why = f"BLOCK_N {block_n} with KV_BLOCK {sparse_kv} (the Gluon kernel takes 64 or 128 dividing it)"
+    # K / V ring depth: three slots where they fit beside Q with room to spare (D=64; D=128 with
+    # 64-key slots), else two (D=128: 2 x 64 KB, D=256: 2 x 64 KB of 64-key slots).
+    stages = opts.num_stages or (3 if _forward_shared_bytes(block_n, 3, D) < GLUON_SHARED_BYTES else 2)
+    if why is None and _forward_shared_bytes(block_n, stages, D) > GLUON_SHARED_BYTES:
+        why = (f"BLOCK_N {block_n} and {stages} stages at head dim {D} (more shared memory than the "
+               "Gluon kernel has; BLOCK_N 64 and 2 stages fit every head dim it takes)")
     if why is not None:
         return None, why
-    # K / V ring depth: what fits beside Q in shared memory (D=128: 2 x 64 KB, D=64: 3 x 32 KB).
-    stages = opts.num_stages or (2 if D == 128 and block_n == 128 else 3)
     return kernel_spec("forward_gluon", **mod_fields(score, mask, proven), qk_head=D, v_head=Dv,
                        dtype=DTYPES[dtype], has_block_mask=info is not None, block_m=128,
                        block_n=block_n, num_warps=4, num_stages=stages, use_tma=True), None
@@ -621,6 +634,11 @@ def _fused_shared_bytes(tiles: dict, stages: int, D: int) -> int:
     return 2 * (2 * n * D + 2 * stages * m * D + n * m) + 4 * 2 * (n // 64) * m * min(D, 4096 // m)
 
 
+def _forward_shared_bytes(block_n: int, stages: int, D: int) -> int:
+    """Shared memory of the Gluon forward's tiles: two 64-row Q halves and a ring of K and V slots."""
+    return 2 * (128 * D + 2 * stages * block_n * D)
+
+
 def gluon_backward_spec(plan: AttentionPlan, query, key, value, spec):
     """(the Gluon kernel of a backward part, None) or (None, why it cannot run this call), from
     the tl spec of that part (``dq`` or ``dkdv``: the same mods, derivatives and head dims).
@@ -636,6 +654,8 @@ def gluon_backward_spec(plan: AttentionPlan, query, key, value, spec):
     dq = spec.part == "dq"
     kernel = "dQ" if dq else "dK/dV"
     why = gluon_unavailable(query, plan.D, plan.Dv)
+    if why is None and plan.D not in GLUON_BACKWARD_HEAD_DIMS:
+        why = f"head dim {plan.D} (the Gluon backward kernels take 64 or 128)"
     if why is None and not _tma_shapes_ok(query, key, value):
         why = "query / key / value layouts TMA cannot step through (make them contiguous)"
     sparse = dict(zip(("BLOCK_M", "BLOCK_N"), info.block_size if info is not None else (128, 128)))
