@@ -343,7 +343,7 @@ def test_gradients_match_reference_on_gpu(case):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 def test_larger_gradients_on_gpu(dtype, D):
     """Several sparse blocks per sequence, a learned bias, GQA, half precision."""
     g = _gen(11)
