@@ -2,7 +2,8 @@
 
 Forward only, bf16, B=1, 16 heads, 16k tokens by default, head dims 64 and 128, full and
 causal attention. Peers in the same run: flexgen's Triton-language kernel (BACKEND="tl"),
-torch's compiled ``flex_attention`` and SDPA's cuDNN backend. Each time is the median of
+torch's compiled ``flex_attention`` and SDPA's cuDNN backend (and its flash backend with
+``--peers ...,flash``: the SDPA backend that takes head dim 256 everywhere). Each time is the median of
 ``triton.testing.do_bench``; TFLOP/s count 4·L²·D per head (half of it under the causal mask).
 Before timing, the Gluon output is compared with the tl kernel's (max abs difference).
 
@@ -46,11 +47,13 @@ def run_case(L, H, D, is_causal, rows, peers=("tl", "torch_flex", "cudnn")):
 
     compiled = torch.compile(torch_flex.flex_attention)
 
-    def cudnn():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
-    calls = {"gluon": fg("gluon"), "tl": fg("tl"),
-             "torch_flex": lambda: compiled(q, k, v, block_mask=tbm), "cudnn": cudnn}
+    def sdpa(backend):
+        def call():
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+        return call
+    calls = {"gluon": fg("gluon"), "tl": fg("tl"), "torch_flex": lambda: compiled(q, k, v, block_mask=tbm),
+             "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "flash": sdpa(SDPBackend.FLASH_ATTENTION)}
     calls = {n: f for n, f in calls.items() if n in ("gluon", "tl") or n in peers}
     calls["gluon"]()                 # the second call takes the direct launch path: check that one
     diff = (calls["gluon"]().float() - calls["tl"]().float()).abs().max().item()
@@ -89,10 +92,10 @@ def show(row) -> str:
         r = row.get(name, {})
         return f"{r['tflops']:6.0f}" if "tflops" in r else "   err"
     g = row["gluon"].get("ms")
-    ratios = " ".join(f"{n}/gluon {row[n]['ms'] / g:4.2f}" for n in ("tl", "torch_flex", "cudnn")
-                      if g and "ms" in row.get(n, {}))
+    peers = [n for n in ("tl", "torch_flex", "cudnn", "flash") if n in row]
+    ratios = " ".join(f"{n}/gluon {row[n]['ms'] / g:4.2f}" for n in peers if g and "ms" in row[n])
     return (f"D={row['D']:3d} {row['variant']:6s} L={row['L']}: TFLOP/s gluon {cell('gluon')} "
-            f"tl {cell('tl')} torch_flex {cell('torch_flex')} cudnn {cell('cudnn')} | {ratios} "
+            + " ".join(f"{n} {cell(n)}" for n in peers) + f" | {ratios} "
             f"| max|gluon-tl| {row['gluon_vs_tl_max_abs']:.1e}")
 
 
