@@ -19,8 +19,9 @@ Environment (set here, before flexgen is imported):
   kernel. The compiles are most of a CI run's CPU: fp32 launches, the CPU tests' dtype, compile
   ~2-5 s each (their dots as the GPU plans them, "tf32x3": ``aot.compile_signature``).
 - ``FLEXGEN_TEST_RECORD_ONCE=path`` / ``FLEXGEN_TEST_COMPILE_RECORDED=path``: CI's two passes.
-  Tests marked ``once`` (torch.compile, torch.distributed, Hugging Face and notebook plumbing,
-  whose kernels come from the same templates as every other test's) run in the first pass only;
+  Tests marked ``once`` (torch.compile, torch.distributed, Hugging Face, notebook and example
+  plumbing, whose kernels come from the same templates as every other test's, and checks of
+  rendering alone) run in the first pass only;
   it writes their launches to ``path``, and the second pass (Triton 3.6, ``-m "not once"``)
   compiles those for sm_90 from the record, so its compile check still covers every kernel
   (a failure there fails the session, naming the test that launched the kernel).
@@ -369,7 +370,7 @@ def pytest_runtest_call(item):
 def pytest_configure(config):
     config.addinivalue_line("markers", "no_aot: launches of this test are not AOT-compiled "
                                        "(it launches deliberately broken kernels)")
-    config.addinivalue_line("markers", "once: torch / Hugging Face / distributed plumbing; CI runs it "
+    config.addinivalue_line("markers", "once: torch / Hugging Face / distributed / example plumbing; CI runs it "
                                        "with the newest Triton only (FLEXGEN_TEST_RECORD_ONCE)")
 
 

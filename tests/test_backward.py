@@ -295,6 +295,7 @@ def test_float_remainder_differentiates_like_torch():
         _check(f"d{name}", a, b, 2e-4)
 
 
+@pytest.mark.once       # an example's plumbing: 90 s of interpreter a pass (its kernels are recorded)
 def test_train_small_model_example():
     """examples/train_small_model.py: first-step gradients match the reference, the loss falls."""
     import importlib.util

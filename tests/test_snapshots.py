@@ -171,6 +171,7 @@ json.dump({case: module.raw_source(case) for case in module.CASES}, sys.stdout)
 """
 
 
+@pytest.mark.once       # rendering, not Triton: one pass is enough
 def test_sources_do_not_depend_on_the_hash_seed(tmp_path):
     """Raw sources (keys included) agree between this process and two with other hash seeds."""
     here = {case: raw_source(case) for case in CASES}
