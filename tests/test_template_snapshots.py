@@ -5,7 +5,8 @@ file keeps the other templates and variants: the forward's TMA variant and its f
 form (one pass over both block lists), the backward's
 dQ and dK/dV kernels (pointer and TMA, and the dQ kernel's deterministic fixed-point
 scatter), the Gluon dQ, dK/dV and fused kernels, the fused backward's delta kernel, decode,
-decode_merge, block_mask, block_lists and paged_write (linear and linear_decode: tests/test_linear.py). Each case renders a spec the way the
+decode_merge, block_mask, block_lists and paged_write (linear and linear_decode: tests/test_linear.py),
+and varlen_attention's forms of the forward (tl and Gluon) and backward kernels. Each case renders a spec the way the
 runtime makes it (nothing is launched, so a CPU renders TMA and Gluon kernels too), with a
 padded head dim (80 -> 128, 48 -> 64) where the template masks head-dim lanes. Files: tests/snapshots/test_template_snapshots/.
 
@@ -147,6 +148,39 @@ def paged_write(D, Dv):
     return render
 
 
+def varlen(part, score_mod=None, mask_mod=None, gluon=False):
+    """A kernel of varlen_attention (``part``: forward, dq or dkdv) over packed sequences of
+    ragged lengths, its forward planned as on a Hopper GPU with ``gluon``."""
+    def render():
+        from flexgen.runtime import plan as plan_module
+        from flexgen.runtime.options import parse_options
+        real = plan_module.gluon_unavailable
+        if gluon:
+            plan_module.gluon_unavailable = lambda query, D, Dv: None
+        plan_module.clear_memos()
+        try:
+            lengths = torch.tensor([0, 40, 43, 243], dtype=torch.int32)
+            gen = torch.Generator().manual_seed(0)
+            q, k, v = (torch.randn(243, h, 64, generator=gen).to(torch.bfloat16) for h in (4, 2, 2))
+            s = None if score_mod is None else trace_cached(score_mod, "score_mod")
+            m = None if mask_mod is None else trace_cached(mask_mod, "mask_mod")
+            plan = plan_module.plan_varlen(q, k, v, lengths, lengths, s.graph if s else "",
+                                           s.buffers if s else (), m.graph if m else "",
+                                           m.buffers if m else (), 0.125, True,
+                                           parse_options({"BACKEND": "gluon"} if gluon else None).text)
+            if part == "forward":
+                return source(plan.spec)
+            return source(getattr(plan_module.plan_varlen_backward(plan, q, k, v, ()), part))
+        finally:
+            plan_module.gluon_unavailable = real
+            plan_module.clear_memos()
+    return render
+
+
+def window(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx <= 32)
+
+
 PAD = dict(D=80, Dv=48)
 # id -> (template, what the source must show, a function rendering it).
 CASES = {
@@ -204,6 +238,11 @@ CASES = {
     "decode_api_alibi_causal": ("decode", "q_idx", decode_api(M.alibi(4), M.causal_mask)),
     "decode_merge": ("decode_merge", "L_PART", decode_merge(64)),
     "decode_merge_padded": ("decode_merge", "< 48", decode_merge(48)),
+    # varlen_attention: packed sequences, a mask's band in place of block lists
+    "forward_varlen_softcap_window": ("forward", "full_hi", varlen("forward", M.tanh_softcap(20.0), window)),
+    "forward_gluon_varlen_causal": ("forward_gluon", "cu_q", varlen("forward", None, M.causal_mask, gluon=True)),
+    "dq_varlen_softcap_window": ("backward", "cu_q", varlen("dq", M.tanh_softcap(20.0), window)),
+    "dkdv_varlen_alibi_causal": ("backward", "cu_k", varlen("dkdv", M.alibi(4), M.causal_mask)),
     # block-mask builder
     "block_mask_document": ("block_mask", "mask_buf", block_mask(M.document_mask(DOC))),
     "block_mask_sliding_window": ("block_mask", "HITS", block_mask(M.sliding_window(32))),
