@@ -48,10 +48,11 @@ from .snippet import Snippet
 # forward_gluon 11, backward 13, backward_gluon 12: a score_mod score + c + a * q_idx + k * kv_idx
 # taken as a key term and a row term (KernelSpec.score_terms, flexgen.frontend.terms). forward 13,
 # forward_gluon 12: a tile's key term as a shift of the rows' maxima. backward_gluon 13: the dK/dV
-# and fused kernels' producer puts each query tile's lse2 and delta rows beside its Q tile.)
+# and fused kernels' producer puts each query tile's lse2 and delta rows beside its Q tile.
+# backward_delta 2, decode 5: their padded tile loads through common.load_tile, DQ by strides.)
 SIGMOID_REVISION = 4
-TEMPLATE_VERSIONS = {"forward": 13, "forward_gluon": 12, "backward_gluon": 14, "backward_delta": 1, "block_mask": 5,
-                     "block_lists": 2, "decode": 4, "decode_merge": 2, "paged_write": 3,
+TEMPLATE_VERSIONS = {"forward": 13, "forward_gluon": 12, "backward_gluon": 14, "backward_delta": 2, "block_mask": 5,
+                     "block_lists": 2, "decode": 5, "decode_merge": 2, "paged_write": 3,
                      "backward": 13, "linear": 5, "linear_decode": 2}
 
 
