@@ -185,6 +185,8 @@ GLUON_CASES = {
     "window_chunked_d128": (2, 1, 128, [40, 3, 200, 0], [300, 3, 450, 9], chunked_softcap, window),
     # A relative-position table over the packed totals: proven loads (bounds_check.proven_loads).
     "relbias_window_d64": (2, 1, 64, [40, 3, 200, 0], [300, 3, 450, 9], "relbias", window),
+    # Head dim 256: 64-key slots, two deep.
+    "causal_gqa_d256": (4, 2, 256, [5, 0, 1, 300, 130, 128, 77], None, None, causal),
 }
 
 
