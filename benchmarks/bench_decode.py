@@ -5,7 +5,7 @@
     python benchmarks/bench_decode.py --smoke          # tiny sizes on CPU: checks the script only
 
 One query token per sequence (q_len = 1), Hq = 32 query heads over Hkv = 8
-KV heads (GQA 4), D = 128, bf16, for B in {1, 8, 64} and contexts of 1k, 8k,
+KV heads (GQA 4), D = 128 (``--heads``, ``--head-dim`` change them), bf16, for B in {1, 8, 64} and contexts of 1k, 8k,
 32k and 128k tokens. Per case:
 
 - ``flexgen contiguous``: ``flexgen.decode_attention`` on K/V ``[B, Hkv, L, D]``;
@@ -444,11 +444,14 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-sdpa", action="store_true")
     ap.add_argument("--sweep", action="store_true",
                     help="also time the decode kernel's tiles and split counts per case (CUDA graphs)")
+    ap.add_argument("--heads", default="32/8", help="query / KV heads (default 32/8)")
+    ap.add_argument("--head-dim", type=int, default=128, help="(default 128; Gemma's is 256)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (interpreter): tests the script")
     ap.add_argument("--out", default=None, help="output folder (default $OUT, else benchmarks/results)")
     args = ap.parse_args(argv)
 
     global HQ, HKV, D
+    (HQ, HKV), D = (int(n) for n in args.heads.split("/")), args.head_dim
     cuda = not args.smoke
     if args.smoke:
         args.skip_torch = True          # inductor on CPU: slow, and not what this checks

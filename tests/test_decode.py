@@ -140,8 +140,9 @@ def test_split_counts_on_a_gpu(monkeypatch):
 
 
 def test_one_program_per_sm_runs_the_deeper_pipeline(monkeypatch):
-    """Three stages where each program has an SM to itself, else two; not past D=128, and a
-    caller's num_stages holds (the SM count is faked: no GPU here)."""
+    """Three stages where each program has an SM to itself, else two; past D=128 the tiles'
+    own (three: 64-key tiles, 8 warps), and a caller's num_stages holds (the SM count is faked:
+    no GPU here)."""
     from flexgen.kernels import decode
     monkeypatch.setattr(decode.launch, "sm_count", lambda device: 132)
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
@@ -152,6 +153,8 @@ def test_one_program_per_sm_runs_the_deeper_pipeline(monkeypatch):
     assert decode.deep_stages(gpu, 256, 2, none) == 2
     assert decode.deep_stages(gpu, 128, 2, four) == 4
     assert decode.deep_stages(cpu, 64, 1, none) == 1
+    assert decode.decode_geometry(gpu, 2, 1, 256, None) == (1, 16, 64, 8, 3)
+    assert decode.decode_geometry(gpu, 4, 1, 128, None) == (1, 16, 64, 4, 2)
 
 
 def test_flex_attention_convention_with_block_mask():

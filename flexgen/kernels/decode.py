@@ -157,20 +157,25 @@ def decode_geometry(device, G, Lq, D, sparse_q):
     if device.type != "cuda":
         # The interpreter's cost is per operation: few, large tiles.
         return q_tile, block_m, 64, 4, 1
+    if D > 128:
+        # Head dim 256 (H200, bench_decode --sweep, Gemma's 16 query / 8 KV heads, B 1-64, 8k and
+        # 32k keys): 64-key tiles, 8 warps and three stages were the fastest or within 1% in every
+        # case, contiguous and paged, 1.02-1.48x the 32-key tiles, 4 warps and two stages that
+        # were here (results/bench_decode_h200_20261129_d256_sweep.json).
+        return q_tile, block_m, 64, 8, 3
     # Two stages where several programs share an SM: on the H100 (bench_decode --sweep,
     # q_len=1, GQA 4, D=128) three were 1-11% slower from B=8 up (B=64, 8k keys: 788 -> 710
     # us with two). One program per SM runs DecodePlan.deep_spec's three instead.
-    block_n = 64 if D <= 128 else 32
-    warps = 8 if block_m >= 128 and D <= 128 else 4
-    return q_tile, block_m, block_n, warps, 2
+    warps = 8 if block_m >= 128 else 4
+    return q_tile, block_m, 64, warps, 2
 
 
 def deep_stages(device, head_dim: int, stages: int, options) -> int:
     """Pipeline stages for a decode kernel whose programs each have an SM to themselves.
 
     Nothing else hides such a program's load latency: a deeper pipeline (H100, B=1, 8k
-    keys, 16 splits: 34.4 us with two stages, 29.7 with three). Not past D=128, where
-    two stages are what fits in shared memory; a caller's num_stages holds either way.
+    keys, 16 splits: 34.4 us with two stages, 29.7 with three). Past D=128 decode_geometry
+    gives three already; a caller's num_stages holds either way.
     """
     if options.num_stages is not None:
         return options.num_stages
