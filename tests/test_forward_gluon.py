@@ -130,7 +130,8 @@ def test_cpu_tensors_are_refused_with_the_reason():
     (("cuda", (8, 0), torch.bfloat16, 64, 64), "sm_90"),
     (("cuda", (10, 0), torch.bfloat16, 64, 64), "sm_90"),
     (("cuda", (9, 0), torch.float32, 64, 64), "float16 / bfloat16"),
-    (("cuda", (9, 0), torch.float16, 80, 80), "64, 128 or 256"),
+    (("cuda", (9, 0), torch.float16, 24, 24), "from 33 to 256"),
+    (("cuda", (9, 0), torch.float16, 320, 320), "from 33 to 256"),
     (("cuda", (9, 0), torch.float16, 128, 64), "equal head dims"),
 ])
 def test_refusals_name_the_reason(args, words):
@@ -139,7 +140,7 @@ def test_refusals_name_the_reason(args, words):
 
 def test_supported_calls_are_accepted():
     for dtype in (torch.float16, torch.bfloat16):
-        for D in (64, 128, 256):
+        for D in (64, 128, 256, 48, 80, 96):      # (the last three padded: 64, 128, 128)
             assert plan_module.gluon_refusal("cuda", (9, 0), dtype, D, D) is None
 
 
@@ -261,6 +262,9 @@ CASES = {
     "causal_even_d128": (128, torch.bfloat16, 2, 2, 512, 512, None, M.causal_mask, 128),
     # Head dim 256: 64-key slots, two deep.
     "alibi_causal_gqa_d256": (256, torch.bfloat16, 4, 2, 300, 333, "alibi", M.causal_mask, 128),
+    # Padded head dims: 96 in 128 columns, 40 in 64 (TMA zero-fills the padding, clips the stores).
+    "softcap_document_d96": (96, torch.bfloat16, 2, 2, 300, 300, M.tanh_softcap(20.0), "doc", 128),
+    "causal_gqa_d40_fp16": (40, torch.float16, 4, 2, 257, 257, None, M.causal_mask, 128),
 }
 
 
@@ -365,7 +369,7 @@ def test_gluon_cases_match_the_oracle(name):
 
 @needs_hopper
 @pytest.mark.parametrize("D, dtype", [(64, torch.bfloat16), (64, torch.float16), (128, torch.bfloat16),
-                                      (128, torch.float16), (256, torch.bfloat16)])
+                                      (128, torch.float16), (256, torch.bfloat16), (96, torch.bfloat16)])
 @pytest.mark.parametrize("mods", ["none", "causal", "alibi_causal", "softcap_prefix", "document"])
 @pytest.mark.parametrize("shape", [(1, 2, 2, 128, 128), (2, 4, 2, 300, 333), (1, 4, 1, 517, 200)])
 def test_gluon_grid_matches_the_oracle(D, dtype, mods, shape):
@@ -388,7 +392,7 @@ def test_gluon_grid_matches_the_oracle(D, dtype, mods, shape):
 
 
 @needs_hopper
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D", [64, 128, 256, 80])
 def test_gluon_dead_rows_are_zero_with_lse_minus_inf(D):
     """Rows no key is allowed for: output exactly 0 and LSE -inf, as the tl kernel gives;
     sigmoid_attention's rows exactly 0 too."""

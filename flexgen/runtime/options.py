@@ -36,8 +36,8 @@ OPTIONS = {
 # sequence, else the forward kernel); TRITON always the forward kernel; TRITON_DECODE
 # always the decode kernel (torch's names). "tl" is AUTO with Triton-language templates
 # only; "gluon" always the Gluon forward kernel and the Gluon dQ and dK/dV backward kernels
-# (sm_90, fp16 / bf16, head dims 64, 128 and 256, the backward's 64 and 128; anything else is
-# an InputError saying why), or
+# (sm_90, fp16 / bf16, head dims 64, 128 and 256 or padded to them, the backward's 64 and 128;
+# anything else is an InputError saying why), or
 # the fused Gluon backward where it can run. AUTO picks the Gluon forward for large calls
 # (plan.GLUON_AUTO) and the Gluon backward kernels where they were measured ahead (plan's
 # GLUON_BACKWARD_MIN_SCORES, GLUON_DKDV_BLOCK_M, GLUON_DQ_AUTO, GLUON_FUSED rules).

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..codegen.spec import KernelSpec, dot_precision, kernel_spec, mod_fields
+from ..codegen.spec import KernelSpec, dot_precision, kernel_spec, mod_fields, pad_head_dim
 from ..errors import expected
 from ..frontend.lowering import lower
 from ..frontend.trace import TracedMod
@@ -338,8 +338,8 @@ def _plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_
     plan.pointer_spec = spec(False) if use_tma else plan.spec
     plan.tune_blocks = None if opts.sets_tiles else (sparse_q, sparse_kv)
     if (opts.BACKEND == "AUTO" and GLUON_AUTO and not opts.sets_tiles
-            and B * Hq * Lq * Lkv >= gluon_min_scores(D, score_buffers, mask_buffers)
-            and not _narrow_band(mask, D)):
+            and B * Hq * Lq * Lkv >= gluon_min_scores(pad_head_dim(D), score_buffers, mask_buffers)
+            and not _narrow_band(mask, pad_head_dim(D))):
         gluon, _ = _gluon_spec(query, key, value, score, mask, info, opts, proven)
     elif opts.BACKEND != "gluon":
         gluon = None
@@ -369,8 +369,9 @@ def _narrow_band(mask, D: int) -> bool:
 
 # Head dims the Gluon kernels take (equal for keys and values). The forward takes 256 too, with
 # 64-key slots: its 128 query rows (64 KB) and a ring of two 64-key K and V slots (128 KB) fill
-# shared memory. The backward kernels keep tiles of dK, dV (or dQ) beside Sᵀ and dPᵀ in a
-# warpgroup's registers, which at 256 they do not fit: the tl kernels run those backwards.
+# shared memory; and any head dim these pad (80 or 96 as 128: TMA zero-fills the padding). The
+# backward kernels keep tiles of dK, dV (or dQ) beside Sᵀ and dPᵀ in a warpgroup's registers,
+# which at 256 they do not fit: the tl kernels run those backwards, and padded ones.
 GLUON_HEAD_DIMS = (64, 128, 256)
 GLUON_BACKWARD_HEAD_DIMS = (64, 128)
 
@@ -393,8 +394,9 @@ def gluon_refusal(device_type: str, capability, dtype, D: int, Dv: int) -> str |
         return f"a GPU of compute capability {tuple(capability)} (the Gluon kernel is for sm_90, Hopper)"
     if dtype not in (torch.float16, torch.bfloat16):
         return f"dtype {dtype} (the Gluon kernel takes float16 / bfloat16)"
-    if D != Dv or D not in GLUON_HEAD_DIMS:
-        return f"head dims qk={D}, v={Dv} (the Gluon kernel takes equal head dims of 64, 128 or 256)"
+    if D != Dv or pad_head_dim(D) not in GLUON_HEAD_DIMS:
+        return (f"head dims qk={D}, v={Dv} (the Gluon kernel takes equal head dims from 33 to 256: "
+                "64, 128 or 256, or less padded to one of them)")
     missing = gluon_api_missing()
     if missing:
         return f"Triton {triton_version()} whose Gluon API lacks {missing}"
@@ -414,6 +416,7 @@ def _gluon_spec(query, key, value, score, mask, info, opts, proven=((), ())):
     if why is None and not _tma_shapes_ok(query, key, value):
         why = "query / key / value layouts TMA cannot step through (make them contiguous)"
     sparse_q, sparse_kv = info.block_size if info is not None else (128, 128)
+    D = pad_head_dim(D)             # the tiles' columns
     block_n = opts.BLOCK_N or (128 if sparse_kv % 128 == 0 and D <= 128 else 64)
     if why is None and (opts.BLOCK_M not in (None, 128) or sparse_q % 128):
         why = (f"BLOCK_M {opts.BLOCK_M} / a block mask's Q_BLOCK {sparse_q} (the Gluon kernel takes "
@@ -756,11 +759,11 @@ def _plan_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, score_mod, score
     tl = varlen_spec(base.spec, base.mask)
     # The Gluon kernel as flex_attention takes it (AUTO: from gluon_min_scores() scores of the
     # packed views, no tiles of the caller's; "gluon": always, or an InputError saying why not).
-    _, Hq, total_q, _ = views[0].shape
+    _, Hq, total_q, D = views[0].shape
     auto = (opts.BACKEND == "AUTO" and GLUON_AUTO and not opts.sets_tiles
-            and Hq * total_q * views[1].shape[2] >= gluon_min_scores(views[0].shape[3], score_buffers,
+            and Hq * total_q * views[1].shape[2] >= gluon_min_scores(pad_head_dim(D), score_buffers,
                                                                      mask_buffers)
-            and not _narrow_band(base.mask, views[0].shape[-1]))
+            and not _narrow_band(base.mask, pad_head_dim(D)))
     if auto or opts.BACKEND == "gluon":
         gluon, why = _gluon_spec(*views, base.score, base.mask, None, opts, base.proven)
         if why is not None and opts.BACKEND == "gluon":
