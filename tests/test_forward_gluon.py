@@ -174,6 +174,10 @@ def test_head_dim_256_takes_64_key_slots(as_if_hopper):
     q, k, v = make_qkv(L=256, D=256, dtype=torch.bfloat16)
     spec = flexgen.api.plan(q, k, v, kernel_options=GLUON).spec
     assert (spec.template, spec.block_n, spec.num_stages) == ("forward_gluon", 64, 2)
+    # A padded head dim keeps its own in the spec (the template pads its tiles: HEAD_COLS).
+    spec96 = flexgen.api.plan(*make_qkv(L=256, D=96, dtype=torch.bfloat16), kernel_options=GLUON).spec
+    assert (spec96.qk_head, spec96.v_head, spec96.block_n, spec96.num_stages) == (96, 96, 128, 2)
+    assert "HEAD_COLS = 128" in cache.source(spec96)
     for options in ({"BLOCK_N": 128}, {"num_stages": 3}):
         with pytest.raises(InputError, match="more shared memory"):
             flexgen.api.plan(q, k, v, kernel_options=dict(GLUON, **options))

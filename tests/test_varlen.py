@@ -187,6 +187,8 @@ GLUON_CASES = {
     "relbias_window_d64": (2, 1, 64, [40, 3, 200, 0], [300, 3, 450, 9], "relbias", window),
     # Head dim 256: 64-key slots, two deep.
     "causal_gqa_d256": (4, 2, 256, [5, 0, 1, 300, 130, 128, 77], None, None, causal),
+    # A padded head dim (80 in 128 columns): the pointer store masks the padding's columns.
+    "window_chunked_d80": (2, 1, 80, [40, 3, 200, 0], [300, 3, 450, 9], chunked_softcap, window),
 }
 
 

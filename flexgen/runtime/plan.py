@@ -416,8 +416,8 @@ def _gluon_spec(query, key, value, score, mask, info, opts, proven=((), ())):
     if why is None and not _tma_shapes_ok(query, key, value):
         why = "query / key / value layouts TMA cannot step through (make them contiguous)"
     sparse_q, sparse_kv = info.block_size if info is not None else (128, 128)
-    D = pad_head_dim(D)             # the tiles' columns
-    block_n = opts.BLOCK_N or (128 if sparse_kv % 128 == 0 and D <= 128 else 64)
+    cols = pad_head_dim(D)          # the tiles' columns
+    block_n = opts.BLOCK_N or (128 if sparse_kv % 128 == 0 and cols <= 128 else 64)
     if why is None and (opts.BLOCK_M not in (None, 128) or sparse_q % 128):
         why = (f"BLOCK_M {opts.BLOCK_M} / a block mask's Q_BLOCK {sparse_q} (the Gluon kernel takes "
                "128 query rows, two warpgroups of 64, inside one sparse block)")
@@ -425,8 +425,8 @@ def _gluon_spec(query, key, value, score, mask, info, opts, proven=((), ())):
         why = f"BLOCK_N {block_n} with KV_BLOCK {sparse_kv} (the Gluon kernel takes 64 or 128 dividing it)"
     # K / V ring depth: three slots where they fit beside Q with room to spare (D=64; D=128 with
     # 64-key slots), else two (D=128: 2 x 64 KB, D=256: 2 x 64 KB of 64-key slots).
-    stages = opts.num_stages or (3 if _forward_shared_bytes(block_n, 3, D) < GLUON_SHARED_BYTES else 2)
-    if why is None and _forward_shared_bytes(block_n, stages, D) > GLUON_SHARED_BYTES:
+    stages = opts.num_stages or (3 if _forward_shared_bytes(block_n, 3, cols) < GLUON_SHARED_BYTES else 2)
+    if why is None and _forward_shared_bytes(block_n, stages, cols) > GLUON_SHARED_BYTES:
         why = (f"BLOCK_N {block_n} and {stages} stages at head dim {D} (more shared memory than the "
                "Gluon kernel has; BLOCK_N 64 and 2 stages fit every head dim it takes)")
     if why is not None:
