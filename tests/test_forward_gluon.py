@@ -189,6 +189,14 @@ def test_head_dim_256_takes_64_key_slots(as_if_hopper):
         flex_attention(q, k, v, kernel_options=GLUON).sum().backward()
 
 
+def test_a_head_dim_tma_cannot_step_is_refused_naming_it(as_if_hopper):
+    """36 bf16 values are 72-byte rows: TMA steps multiples of 16 bytes (the tl kernel runs it)."""
+    q, k, v = make_qkv(L=256, D=36, dtype=torch.bfloat16)
+    with pytest.raises(InputError, match="head dim 36 .72-byte rows"):
+        flexgen.api.plan(q, k, v, kernel_options=GLUON)
+    assert flexgen.api.plan(q, k, v).spec.template == "forward"
+
+
 def sigmoid_plan(q, k, v, score_mod=None, block_mask=None, options=None, enable_gqa=False):
     """sigmoid_attention's plan of a call (what ``flexgen.sigmoid_attention`` launches)."""
     from flexgen.api import _mods, check_scale

@@ -408,13 +408,22 @@ def triton_version() -> str:
     return triton.__version__
 
 
+def _tma_refusal(query, key, value) -> str | None:
+    """Why TMA cannot step through these layouts (None where it can), for the Gluon kernels."""
+    if _tma_shapes_ok(query, key, value):
+        return None
+    row_bytes = query.shape[3] * query.element_size()
+    if row_bytes % 16:
+        return (f"head dim {query.shape[3]} ({row_bytes}-byte rows; TMA steps rows of a multiple of "
+                "16 bytes: a head dim that is a multiple of 8)")
+    return "query / key / value layouts TMA cannot step through (make them contiguous)"
+
+
 def _gluon_spec(query, key, value, score, mask, info, opts, proven=((), ())):
     """(the Gluon forward spec, None) or (None, why it cannot run this call)."""
     B, Hq, Lq, D = query.shape
     Dv, dtype = value.shape[3], query.dtype
-    why = gluon_unavailable(query, D, Dv)
-    if why is None and not _tma_shapes_ok(query, key, value):
-        why = "query / key / value layouts TMA cannot step through (make them contiguous)"
+    why = gluon_unavailable(query, D, Dv) or _tma_refusal(query, key, value)
     sparse_q, sparse_kv = info.block_size if info is not None else (128, 128)
     cols = pad_head_dim(D)          # the tiles' columns
     block_n = opts.BLOCK_N or (128 if sparse_kv % 128 == 0 and cols <= 128 else 64)
@@ -659,8 +668,7 @@ def gluon_backward_spec(plan: AttentionPlan, query, key, value, spec):
     why = gluon_unavailable(query, plan.D, plan.Dv)
     if why is None and plan.D not in GLUON_BACKWARD_HEAD_DIMS:
         why = f"head dim {plan.D} (the Gluon backward kernels take 64 or 128)"
-    if why is None and not _tma_shapes_ok(query, key, value):
-        why = "query / key / value layouts TMA cannot step through (make them contiguous)"
+    why = why or _tma_refusal(query, key, value)
     sparse = dict(zip(("BLOCK_M", "BLOCK_N"), info.block_size if info is not None else (128, 128)))
     chosen = opts.tiles(spec.part)
     own, step = ("BLOCK_M", "BLOCK_N") if dq else ("BLOCK_N", "BLOCK_M")
