@@ -20,8 +20,10 @@ Environment (set here, before flexgen is imported):
   ~2-5 s each (their dots as the GPU plans them, "tf32x3": ``aot.compile_signature``).
 - ``FLEXGEN_TEST_RECORD_ONCE=path`` / ``FLEXGEN_TEST_COMPILE_RECORDED=path``: CI's two passes.
   Tests marked ``once`` (torch.compile, torch.distributed, Hugging Face, notebook and example
-  plumbing, whose kernels come from the same templates as every other test's, and checks of
-  rendering alone) run in the first pass only;
+  plumbing, checks of rendering alone, and the front end's modules: tracing, masks, mods and
+  their kernels' numerics) run in the first pass only: the sources they generate are the same
+  under either Triton (no template reads its version), so under 3.6 what can differ is the
+  compile, which the record covers;
   it writes their launches to ``path``, and the second pass (Triton 3.6, ``-m "not once"``)
   compiles those for sm_90 from the record, so its compile check still covers every kernel
   (a failure there fails the session, naming the test that launched the kernel).
@@ -370,7 +372,7 @@ def pytest_runtest_call(item):
 def pytest_configure(config):
     config.addinivalue_line("markers", "no_aot: launches of this test are not AOT-compiled "
                                        "(it launches deliberately broken kernels)")
-    config.addinivalue_line("markers", "once: torch / Hugging Face / distributed / example plumbing; CI runs it "
+    config.addinivalue_line("markers", "once: plumbing and front-end tests; CI runs them "
                                        "with the newest Triton only (FLEXGEN_TEST_RECORD_ONCE)")
 
 
