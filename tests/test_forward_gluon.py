@@ -166,11 +166,11 @@ def test_block_sizes_it_cannot_tile_are_refused(as_if_hopper):
         flexgen.api.plan(q, k, v, block_mask=bm, kernel_options=GLUON)
 
 
-def test_head_dim_256_takes_64_key_slots(as_if_hopper):
+def test_head_dim_256_and_padded_head_dims_plan_their_tiles(as_if_hopper):
     """At head dim 256 the K / V ring's slots hold 64 keys, two deep (128 query rows and two
-    128-key slots would not fit in shared memory: BLOCK_N 128 is refused, saying why); the
-    backward keeps the tl kernels (the Gluon ones take 64 or 128), under BACKEND "gluon" a clear
-    refusal naming the head dim."""
+    128-key slots would not fit in shared memory: BLOCK_N 128 is refused, saying why); a padded
+    head dim plans as its padded width and keeps its own in the spec; the backward keeps the tl
+    kernels (the Gluon ones take 64 or 128), under BACKEND "gluon" a refusal naming the head dim."""
     q, k, v = make_qkv(L=256, D=256, dtype=torch.bfloat16)
     spec = flexgen.api.plan(q, k, v, kernel_options=GLUON).spec
     assert (spec.template, spec.block_n, spec.num_stages) == ("forward_gluon", 64, 2)
