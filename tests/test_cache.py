@@ -47,7 +47,10 @@ FOREIGN_UID = 4242
 
 @pytest.fixture
 def fresh_cache(tmp_path, monkeypatch):
-    """A new, not yet existing cache directory and an empty in-memory cache."""
+    """A new, not yet existing cache directory and an empty in-memory cache (with no memo of
+    the masks built so far: a mask another test built would otherwise skip its kernel here)."""
+    from flexgen.masks import builder
+    builder.clear_memos()
     path = tmp_path / "nested" / "flexgen-cache"
     monkeypatch.setenv("FLEXGEN_CACHE_DIR", str(path))
     monkeypatch.setattr(cache, "_MODULES", {})
