@@ -338,8 +338,8 @@ def _plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_
     plan.pointer_spec = spec(False) if use_tma else plan.spec
     plan.tune_blocks = None if opts.sets_tiles else (sparse_q, sparse_kv)
     if (opts.BACKEND == "AUTO" and GLUON_AUTO and not opts.sets_tiles
-            and B * Hq * Lq * Lkv >= gluon_min_scores(pad_head_dim(D), score_buffers, mask_buffers)
-            and not _narrow_band(mask, pad_head_dim(D))):
+            and B * Hq * Lq * Lkv >= gluon_min_scores(D, score_buffers, mask_buffers)
+            and not _narrow_band(mask, D)):
         gluon, _ = _gluon_spec(query, key, value, score, mask, info, opts, proven)
     elif opts.BACKEND != "gluon":
         gluon = None
@@ -353,17 +353,19 @@ def _plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_
 
 
 def gluon_min_scores(D: int, score_buffers, mask_buffers) -> int:
-    """The fewest scores for which AUTO takes the Gluon forward kernel at head dim ``D``:
-    GLUON_MIN_SCORES_D128 at 256, and at 128 where no mod reads a captured tensor, else
-    GLUON_MIN_SCORES."""
+    """The fewest scores for which AUTO takes the Gluon forward kernel at head dim ``D`` (as the
+    kernel pads it): GLUON_MIN_SCORES_D128 at 256, and at 128 where no mod reads a captured
+    tensor, else GLUON_MIN_SCORES."""
+    D = pad_head_dim(D)
     if D == 256 or (D == 128 and not len(score_buffers) and not len(mask_buffers)):
         return GLUON_MIN_SCORES_D128
     return GLUON_MIN_SCORES
 
 
 def _narrow_band(mask, D: int) -> bool:
-    """Whether AUTO keeps the tl kernel for this mask at head dim ``D`` (GLUON_MIN_BAND_D64)."""
-    band = None if mask is None or D != 64 else mask.kv_range
+    """Whether AUTO keeps the tl kernel for this mask at head dim ``D``, as the kernel pads it
+    (GLUON_MIN_BAND_D64)."""
+    band = None if mask is None or pad_head_dim(D) != 64 else mask.kv_range
     return band is not None and None not in band[:2] and band[1] - band[0] + 1 <= GLUON_MIN_BAND_D64
 
 
@@ -769,9 +771,8 @@ def _plan_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, score_mod, score
     # packed views, no tiles of the caller's; "gluon": always, or an InputError saying why not).
     _, Hq, total_q, D = views[0].shape
     auto = (opts.BACKEND == "AUTO" and GLUON_AUTO and not opts.sets_tiles
-            and Hq * total_q * views[1].shape[2] >= gluon_min_scores(pad_head_dim(D), score_buffers,
-                                                                     mask_buffers)
-            and not _narrow_band(base.mask, pad_head_dim(D)))
+            and Hq * total_q * views[1].shape[2] >= gluon_min_scores(D, score_buffers, mask_buffers)
+            and not _narrow_band(base.mask, D))
     if auto or opts.BACKEND == "gluon":
         gluon, why = _gluon_spec(*views, base.score, base.mask, None, opts, base.proven)
         if why is not None and opts.BACKEND == "gluon":
