@@ -90,7 +90,7 @@ def child(cfg: dict) -> dict:
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
     from flexgen.codegen import cache
-    from flexgen.runtime import aot, compiler_key
+    from flexgen.runtime import aot, compiler_key, driver
 
     spec, args, constexprs = record(cfg)
     module = cache.load(spec, interpret=False)
@@ -101,7 +101,7 @@ def child(cfg: dict) -> dict:
     # allocations are), integers divisible by 16 or equal to 1 marked as such.
     backend = make_backend(aot.HOPPER)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages}
+    options = driver.compile_options(module)
     if cfg.get("ptxas"):
         options["ptx_options"] = cfg["ptxas"]
     bound, specialization, opts = binder(*args, **constexprs, **options)

@@ -66,6 +66,15 @@ def test_real_kernel_compiles_for_hopper(every_spec):
     assert compile_recorded([(spec, args, constexprs)]) == 0, "a compiled kernel is not compiled twice"
 
 
+def test_fp_fusion_stays_on_whatever_tritons_default(every_spec, monkeypatch):
+    # Triton 3.10 turns FP fusion off by default; flexgen's kernels were tuned with it on.
+    from triton import knobs
+    monkeypatch.setattr(knobs.language, "default_fp_fusion", False)
+    (spec, args, constexprs), _ = one_launch()
+    compiled = aot.compile_launch(spec, args, constexprs)
+    assert compiled.metadata.enable_fp_fusion is True
+
+
 def test_broken_kernel_fails_the_check(every_spec):
     (spec, args, constexprs), _ = one_launch()
     # the same kernel with a score_mod snippet that names nothing: same arguments

@@ -88,9 +88,8 @@ def compile_signature(spec, types, constexprs, target=HOPPER):
     gluon = getattr(kernel, "is_gluon", lambda: False)()
     source = (GluonASTSource if gluon else ASTSource)(fn=kernel, signature=signature,
                                                      constexprs=dict(constexprs))
-    options = {"num_warps": module.NUM_WARPS, "num_stages": getattr(module, "NUM_STAGES", 1)}
     compiler_key.install()
-    return triton.compile(source, target=target, options=options)
+    return triton.compile(source, target=target, options=driver.compile_options(module))
 
 
 def check_compiles(spec, types, constexprs) -> tuple:

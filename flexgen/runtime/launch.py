@@ -320,7 +320,7 @@ def _launch_once(spec: KernelSpec, device: torch.device, inputs):
         RECORDED.append((spec, tuple(_recorded(a) for a in args), constexprs))
     constexprs = _mode_constexprs(spec, module, constexprs, interpret)
     if interpret:
-        options = dict(num_warps=module.NUM_WARPS, num_stages=getattr(module, "NUM_STAGES", 1))
+        options = driver.compile_options(module)
         with _library_interpreted():
             module.KERNEL[grid](*args, **constexprs, **options)
         return None
@@ -452,7 +452,7 @@ def _launch_compiled(spec: KernelSpec, module, grid, args, constexprs):
         if launcher is not None:
             launcher.launch(grid, torch._C._cuda_getCurrentRawStream(device_index), args)
             return launcher, grid, args, device_index
-    options = dict(num_warps=module.NUM_WARPS, num_stages=getattr(module, "NUM_STAGES", 1))
+    options = driver.compile_options(module)
     compiler_key.install()
     with collector.paused():        # a first launch compiles
         kernel = module.KERNEL[grid](*args, **constexprs, **options)
