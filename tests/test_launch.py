@@ -76,7 +76,7 @@ def test_second_launch_calls_the_compiled_launcher_directly(fake_gpu):
     _launch(module, x)
     assert len(kernel.triton_launches) == 1
     grid, args, kwargs = kernel.triton_launches[0]
-    assert kwargs == dict(BLOCK=64, EVEN=True, num_warps=4, num_stages=2)
+    assert kwargs == dict(BLOCK=64, EVEN=True, num_warps=4, num_stages=2, enable_fp_fusion=True)
     assert kernel.compiled.calls == []
 
     y = torch.ones(64)
