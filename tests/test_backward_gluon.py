@@ -80,13 +80,29 @@ def test_learned_captured_tensors_take_the_gluon_dq_kernel_under_backend_gluon(a
     _, bw = backward_plan(q, k, v, relative_bias(4, 300, 300, learned=True))
     assert bw.dq.scatters and bw.gluon_dq.scatters == bw.dq.scatters and bw.gluon_fused is None
     source = cache.source(bw.gluon_dq)
-    assert "gl.atomic_add(gl.convert_layout(g_ptr" in source and "gl.gather(g_val" in source
+    assert "gl.atomic_add(gl.convert_layout(g_ptr" in source and "gl.gather(g_tile" in source
     assert "sbuf0_grad_ptr" in cache.load(bw.gluon_dq, interpret=False).KERNEL.arg_names
     big = make_qkv(B=1, H=64, L=4096, D=128, dtype=torch.bfloat16)
     assert backward_plan(*big, learned_bias(64), options=None)[1].gluon_dq is None
     monkeypatch.setattr(plan_module, "GLUON_DQ_SCATTERS", True)
     plan_module.clear_memos()       # (the plan keeps its backward)
     assert backward_plan(*big, learned_bias(64), options=None)[1].gluon_dq.scatters
+
+
+def test_gluon_dq_diagonal_sums_take_keys_that_fit_shared_memory(as_if_hopper):
+    """A gradient summed per tile diagonal rotates each consumer's float32 tile through shared
+    memory: at head dim 128 the dQ kernel steps 64 keys (128 keys beside a ring of two would
+    need 256 KB); asked for 128 under BACKEND "gluon", it is refused naming the reason."""
+    q, k, v = make_qkv(B=1, H=4, L=512, D=128, dtype=torch.bfloat16)
+    learned = relative_bias(4, 512, 512, learned=True)
+    spec = backward_plan(q, k, v, learned)[1].gluon_dq
+    assert spec.block_n == 64 and plan_module._dq_shared_bytes(
+        {"BLOCK_M": spec.block_m, "BLOCK_N": 64}, spec.num_stages, 128, True) <= plan_module.GLUON_SHARED_BYTES
+    assert backward_plan(q, k, v, relative_bias(4, 512, 512))[1].gluon_dq.block_n == 128   # nothing to sum
+    with pytest.raises(InputError, match="summed per diagonal"):
+        backward_plan(q, k, v, learned, options=dict(GLUON, BLOCK_N2=128, num_stages=2))
+    q, k, v = make_qkv(B=1, H=4, L=512, D=64, dtype=torch.bfloat16)
+    assert backward_plan(q, k, v, relative_bias(4, 512, 512, learned=True))[1].gluon_dq.block_n == 128
 
 
 def symmetric_alibi(H):

@@ -218,7 +218,7 @@ CASES = {
     "dq_gluon_alibi_document": ("backward_gluon", "delta_r = gl.sum(", gluon_backward(
         "dq", M.alibi(slopes=M.alibi_slopes(4)), M.document_mask(DOC))),
     # ... adding a learned relative-position table's gradient, a sum per tile diagonal
-    "dq_gluon_learned_relative_causal": ("backward_gluon", "g_rot = gl.gather(g_val", gluon_backward(
+    "dq_gluon_learned_relative_causal": ("backward_gluon", "g_rot = gl.gather(g_tile", gluon_backward(
         "dq", learned_relative_bias(), M.causal_mask)),
     # backward: the fused Gluon kernel (dK, dV, and dQ by TMA reduce-adds): its warpgroups
     # share the dSᵀ tile and split dQ's columns (at head dim 128 the tile is dK's operand too),

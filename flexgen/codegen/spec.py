@@ -50,9 +50,12 @@ from .snippet import Snippet
 # forward_gluon 12: a tile's key term as a shift of the rows' maxima. backward_gluon 13: the dK/dV
 # and fused kernels' producer puts each query tile's lse2 and delta rows beside its Q tile.
 # backward_delta 2, decode 5: their padded tile loads through common.load_tile, DQ by strides.
-# forward_gluon 13: tiles of the padded head dim (HEAD_COLS), the descriptors' blocks too.)
+# forward_gluon 13: tiles of the padded head dim (HEAD_COLS), the descriptors' blocks too.
+# backward_gluon 14: the dQ kernel adds captured tensors' gradients (common.scatter_gradients);
+# 15: its diagonal sums rotate rows in a layout of one register a row, the sums while dQ's
+# product runs.)
 SIGMOID_REVISION = 4
-TEMPLATE_VERSIONS = {"forward": 13, "forward_gluon": 13, "backward_gluon": 14, "backward_delta": 2, "block_mask": 5,
+TEMPLATE_VERSIONS = {"forward": 13, "forward_gluon": 13, "backward_gluon": 15, "backward_delta": 2, "block_mask": 5,
                      "block_lists": 2, "decode": 5, "decode_merge": 2, "paged_write": 3,
                      "backward": 13, "linear": 5, "linear_decode": 2}
 

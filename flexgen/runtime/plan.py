@@ -648,6 +648,14 @@ def _fused_shared_bytes(tiles: dict, stages: int, D: int) -> int:
     return 2 * (2 * n * D + 2 * stages * m * D + n * m) + 4 * 2 * (n // 64) * m * min(D, 4096 // m)
 
 
+def _dq_shared_bytes(tiles: dict, stages: int, D: int, rotates: bool) -> int:
+    """The Gluon dQ kernel's shared memory (16-bit tiles): Q and dO, a ring of K and V slots,
+    and where a captured tensor's gradient is summed per tile diagonal, each consumer
+    warpgroup's [64, BLOCK_N] float32 tile its rotation reads back (common.scatter_gradients)."""
+    m, n = tiles["BLOCK_M"], tiles["BLOCK_N"]
+    return 2 * (2 * m * D + 2 * stages * n * D) + (4 * m * n if rotates else 0)
+
+
 def _forward_shared_bytes(block_n: int, stages: int, D: int) -> int:
     """Shared memory of the Gluon forward's tiles: two 64-row Q halves and a ring of K and V slots."""
     return 2 * (128 * D + 2 * stages * block_n * D)
@@ -682,6 +690,12 @@ def gluon_backward_spec(plan: AttentionPlan, query, key, value, spec):
     if spec.score is not None and spec.score_terms is None and (
             spec.score.free is None or {"q_idx", "kv_idx"} <= set(spec.score.free)):
         steps = 64
+    # (dQ: a diagonal sum's rotation takes 64 KB more shared memory at 128 keys, which at head
+    # dim 128 do not fit beside a ring of two; 64 keys do, three deep.)
+    rotates = dq and any(g.reduce_diag for g in spec.scatters)
+    if rotates and "BLOCK_N" not in chosen and _dq_shared_bytes(
+            {"BLOCK_M": tiles["BLOCK_M"], "BLOCK_N": steps}, 2, plan.D, True) > GLUON_SHARED_BYTES:
+        steps = 64
     tiles[step] = chosen.get(step, steps if sparse[step] % steps == 0 else 64)
     for name in ("BLOCK_M", "BLOCK_N"):
         if why is None and (tiles[name] not in (64, 128) or sparse[name] % tiles[name]):
@@ -695,6 +709,10 @@ def gluon_backward_spec(plan: AttentionPlan, query, key, value, spec):
     if why is None and spec.part == "fused" and _fused_shared_bytes(tiles, stages, plan.D) > GLUON_SHARED_BYTES:
         why = (f"BLOCK_M1 {tiles['BLOCK_M']} and {stages} stages at head dim {plan.D} (more shared memory than "
                "the fused kernel has)")
+    if why is None and dq and _dq_shared_bytes(tiles, stages, plan.D, rotates) > GLUON_SHARED_BYTES:
+        why = (f"BLOCK_N2 {tiles['BLOCK_N']} and {stages} stages at head dim {plan.D}"
+               f"{' with a gradient summed per diagonal' if rotates else ''} (more shared memory than the "
+               "dQ kernel has)")
     # (The fused kernel is optional: where it cannot run, the two kernels do.)
     if why is not None and opts.BACKEND == "gluon" and spec.part != "fused":
         raise expected("kernel_options['BACKEND']", "'gluon' only where the Gluon kernels run",
