@@ -52,8 +52,8 @@ from .snippet import Snippet
 # backward_delta 2, decode 5: their padded tile loads through common.load_tile, DQ by strides.
 # forward_gluon 13: tiles of the padded head dim (HEAD_COLS), the descriptors' blocks too.
 # backward_gluon 14: the dQ kernel adds captured tensors' gradients (common.scatter_gradients);
-# 15: its diagonal sums rotate rows in a layout of one register a row, the sums while dQ's
-# product runs.)
+# 15: its diagonal sums rotate the tile in a layout of one thread per column (ROTATE_LAYOUT),
+# while dQ's product runs.)
 SIGMOID_REVISION = 4
 TEMPLATE_VERSIONS = {"forward": 13, "forward_gluon": 13, "backward_gluon": 15, "backward_delta": 2, "block_mask": 5,
                      "block_lists": 2, "decode": 5, "decode_merge": 2, "paged_write": 3,
