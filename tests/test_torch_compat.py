@@ -317,6 +317,21 @@ def test_oracle_and_create_mask_evaluate_mods_per_element():
     assert torch.equal(flexgen.create_mask(vision_cross, 1, 1, 12, 9, device="cpu"), theirs)
 
 
+def test_functions_spelled_as_tensor_methods():
+    """Every torch function the tracer takes also works in its method spelling (x.log1p() as
+    torch.log1p(x): the methods fall back to the functions' table), with torch.lerp and
+    torch.logaddexp / logaddexp2 written as their formulas."""
+    bias = torch.randn(40)
+
+    def methods(score, b, h, q_idx, kv_idx):
+        rel = (q_idx - kv_idx).type_as(score) * 0.05
+        return (score.lerp(score * 0.5 + rel, 0.25) + (score * 0.1).expm1() + score.abs().log1p()
+                + (rel.square() + 1).reciprocal() + score.logaddexp(rel)
+                + torch.logaddexp2(score, bias[q_idx]) * 0.5)
+
+    run(*make_qkv(L=40, D=16), methods)
+
+
 # --- what cannot become a kernel: clear errors -------------------------------------------------
 
 @torch.library.custom_op("flexgen_compat_test::fast_tanh", mutates_args=())

@@ -269,6 +269,7 @@ _METHODS.update({
     "where": lambda x, cond, other: _where(cond, x, other),
     "masked_fill": lambda x, mask, value: _where(mask, value, x),
     "to": _to, "type": lambda x, dtype=None: x.dtype if dtype is None else _cast(x, dtype),
+    "type_as": lambda x, other: _cast(x, other.dtype),
     "float": lambda x: _cast(x, torch.float32), "double": lambda x: _cast(x, torch.float32),
     "half": lambda x: _cast(x, torch.float32), "bfloat16": lambda x: _cast(x, torch.float32),
     "int": lambda x: _cast(x, torch.int32), "long": lambda x: _cast(x, torch.int32),
@@ -295,6 +296,10 @@ def _bound_method(value, name):
     if name.startswith("_"):
         raise AttributeError(name)
     method = _METHODS.get(name)
+    if method is None:
+        # A method whose torch function the tracer knows (x.log1p() as torch.log1p(x)): one
+        # table, so that no supported function is refused in its method spelling.
+        method = torch_functions._FUNCTIONS.get(getattr(torch.Tensor, name, None))
     return None if method is None else (lambda *args, **kwargs: method(value, *args, **kwargs))
 
 
@@ -319,8 +324,19 @@ def _div(x, o, rounding_mode):
     if rounding_mode == "floor":
         return _binary("floordiv", x, o)
     tracer = _tracer_of(x, o)
+    if rounding_mode == "trunc":
+        a, b = _operand(tracer, x), _operand(tracer, o)
+        if a.dtype.is_floating_point or b.dtype.is_floating_point:
+            t = _binary("truediv", a, b)
+            return _where(_binary("lt", t, 0), _unary("ceil", t), _unary("floor", t))
+        # Integers: floor division rounds toward -inf; one up where the signs differ and the
+        # division is not exact (torch's trunc rounds toward 0).
+        q = _binary("floordiv", a, b)
+        inexact = _binary("ne", _binary("mod", a, b), 0)
+        signs_differ = _binary("ne", _binary("lt", a, 0), _binary("lt", b, 0))
+        return _where(_logical("and", inexact, signs_differ), _binary("add", q, 1), q)
     raise tracer.fail(f"division with rounding_mode={rounding_mode!r}",
-                      "use rounding_mode='floor' (or //), or plain /")
+                      "use rounding_mode='floor' (or //), 'trunc', or plain /")
 
 
 def _tensor_method(name):
@@ -332,3 +348,4 @@ def _tensor_method(name):
 # Imported after this module's definitions: the note at the end of proxy.py says why.
 from .proxy import _MinMax, Proxy, Row, _Tracer, View  # noqa: E402
 from .rows import _index, _map_rows, _row_used_as_value  # noqa: E402
+from . import torch_functions  # noqa: E402  (its table, read at call time)

@@ -56,6 +56,15 @@ def _functions() -> dict:
         *aten_op("log1p"))
     add(lambda x, *a, **k: _binary("sub", _unary("exp", x), 1.0), torch.expm1, torch.Tensor.expm1,
         *aten_op("expm1"))
+    add(lambda x: _logical("or", _binary("eq", x, float("inf")), _binary("eq", x, float("-inf"))),
+        torch.isinf, torch.Tensor.isinf, *aten_op("isinf"))
+    add(lambda x: _binary("eq", x, float("inf")), torch.isposinf, torch.Tensor.isposinf, *aten_op("isposinf"))
+    add(lambda x: _binary("eq", x, float("-inf")), torch.isneginf, torch.Tensor.isneginf, *aten_op("isneginf"))
+    add(_lerp, torch.lerp, torch.Tensor.lerp, *aten_op("lerp"))
+    add((lambda x, y: _logaddexp(x, y, "exp", "log")), torch.logaddexp, torch.Tensor.logaddexp,
+        *aten_op("logaddexp"))
+    add((lambda x, y: _logaddexp(x, y, "exp2", "log2")), torch.logaddexp2, torch.Tensor.logaddexp2,
+        *aten_op("logaddexp2"))
     add(lambda x, *a, **k: _unary("not", x), torch.logical_not, torch.Tensor.logical_not,
         *aten_op("logical_not"))
     add(_invert, torch.bitwise_not, torch.Tensor.bitwise_not, torch.Tensor.__invert__,
@@ -153,6 +162,21 @@ def _softplus(x, beta=1.0, threshold=20.0):
     return _where(_binary("gt", bx, threshold), _cast(x, torch.float32), smooth)
 
 
+def _lerp(start, end, weight):
+    """torch.lerp: start + weight * (end - start)."""
+    return _binary("add", start, _binary("mul", weight, _binary("sub", end, start)))
+
+
+def _logaddexp(x, y, exp, log):
+    """log(exp(x) + exp(y)) without overflow: max + log(1 + exp(-|x - y|)) (base e or 2).
+    Two -inf give -inf, as torch's (max is -inf; the NaN of -inf - -inf is kept out)."""
+    high = _binary("maximum", x, y)
+    gap = _unary("neg", _unary("abs", _binary("sub", x, y)))
+    both_inf = _binary("eq", high, float("-inf"))
+    rest = _unary(log, _binary("add", 1.0, _unary(exp, _where(both_inf, 0.0, gap))))
+    return _where(both_inf, high, _binary("add", high, rest))
+
+
 def _leaky_relu(x, negative_slope=0.01, inplace=False):
     return _where(_binary("gt", x, 0), x, _binary("mul", x, negative_slope))
 
@@ -181,7 +205,8 @@ def _getitem(tensor, index):
 _FUNCTION_NAMES = set(UNARY) | {"where", "clamp", "minimum", "maximum", "masked_fill", "to",
                                 "new_ones", "new_zeros", "new_full", "ones_like", "zeros_like",
                                 "gelu", "softplus", "logsigmoid", "leaky_relu", "square",
-                                "reciprocal", "log1p", "expm1",
+                                "reciprocal", "log1p", "expm1", "lerp", "logaddexp", "logaddexp2",
+                                "isinf", "isposinf", "isneginf",
                                 "full_like"}
 
 
