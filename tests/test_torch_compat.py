@@ -332,6 +332,34 @@ def test_functions_spelled_as_tensor_methods():
     run(*make_qkv(L=40, D=16), methods)
 
 
+def test_comparisons_with_infinities_in_captured_tensors():
+    """A captured tensor may hold infinities (an additive mask of 0 / -inf): comparing its
+    entries with +-inf (or torch.isinf) is kept, not folded as though every value were finite (the guard
+    below once lowered to `score + bias`, -inf where the mod asks for -1e4), and
+    logaddexp of two -inf is -inf (no NaN from -inf - -inf)."""
+    bias = torch.zeros(48)
+    bias[5::3] = float("-inf")
+    ceiling = torch.zeros(48)
+    ceiling[::4] = float("inf")
+
+    def guarded(score, b, h, q_idx, kv_idx):
+        finite = bias[kv_idx] > float("-inf")
+        kept = torch.where(bias[kv_idx] == float("-inf"), -1e4, score + bias[kv_idx])
+        capped = torch.where(ceiling[q_idx] >= float("inf"), kept * 0.5, kept)
+        always = torch.where(bias[kv_idx] >= float("-inf"), 0.0, 1e4)     # true for every entry
+        flagged = torch.where(torch.isinf(ceiling[q_idx]) & bias[kv_idx].isneginf(), 0.5, 0.0)
+        return (torch.where(finite, capped, kept - 1.0) + always + flagged
+                + torch.logaddexp(bias[q_idx] + score, score))
+
+    def both_infinite(score, b, h, q_idx, kv_idx):
+        return score + torch.logaddexp(bias[q_idx], bias[kv_idx])
+
+    q, k, v = make_qkv(L=48, D=16)
+    run(q, k, v, guarded)
+    # Forward only: torch's derivative of logaddexp(-inf, -inf) is NaN, so is the oracle's.
+    run(q.detach(), k.detach(), v.detach(), both_infinite, grad=False)
+
+
 # --- what cannot become a kernel: clear errors -------------------------------------------------
 
 @torch.library.custom_op("flexgen_compat_test::fast_tanh", mutates_args=())

@@ -130,7 +130,7 @@ def buffer_function(prefix: str, slot: int, dtype: torch.dtype):
     """The sympy function standing for captured buffer ``slot`` of a mod."""
     name = f"{prefix}buf{slot}"
     if dtype == torch.float32:
-        return sympy.Function(name, real=True)
+        return sympy.Function(name, extended_real=True)
     return sympy.Function(name, integer=True)
 
 
@@ -170,6 +170,8 @@ def relation(op: str, a, b):
     if a is sympy.nan or b is sympy.nan:
         # IEEE: every comparison with NaN is false but !=, as in torch (sympy refuses them).
         return sympy.true if op == "ne" else sympy.false
+    if getattr(a, "is_infinite", False) or getattr(b, "is_infinite", False):
+        return _infinite_relation(op, a, b)
     d = sympy.expand(_as_number(a) - _as_number(b)) if _linear_ok(a, b) else _as_number(a) - _as_number(b)
     if op in ("le", "lt"):
         d, op = -d, {"le": "ge", "lt": "gt"}[op]
@@ -178,6 +180,27 @@ def relation(op: str, a, b):
     if op == "gt" and d.is_integer:      # integers: d > 0  <=>  d - 1 >= 0
         d, op = d - 1, "ge"
     return {"ge": sympy.Ge, "gt": sympy.Gt, "eq": sympy.Eq, "ne": sympy.Ne}[op](d, 0)
+
+
+def _infinite_relation(op: str, a, b):
+    """A comparison with +-inf on one side. As a difference it would be lost: sympy absorbs
+    bias(kv_idx) + oo into oo, so ``bias[kv_idx] == -inf`` (a captured tensor may hold
+    infinities) would fold to False. Over the floats (NaN aside) x >= -inf always holds and
+    x > -inf means x != -inf, so each comparison is an equality, an inequality or a constant."""
+    if a.is_infinite:
+        a, b, op = b, a, {"ge": "le", "gt": "lt", "le": "ge", "lt": "gt"}.get(op, op)
+    if a.is_infinite:                                  # both constants: IEEE's answer
+        return sympy.true if {"eq": a == b, "ne": a != b, "ge": a >= b, "gt": a > b,
+                              "le": a <= b, "lt": a < b}[op] else sympy.false
+    low = bool(b.is_extended_negative)                 # x op -inf, else x op +inf
+    always = {"ge": low, "le": not low}
+    never = {"lt": low, "gt": not low}
+    if op in always and always[op] or op in never and never[op]:
+        return sympy.true if op in always else sympy.false
+    if op in ("eq", "ne"):
+        return (sympy.Eq if op == "eq" else sympy.Ne)(a, b)
+    # x <= -inf / x >= +inf: x is that infinity; x > -inf / x < +inf: x is not.
+    return sympy.Eq(a, b) if op in ("le", "ge") else sympy.Ne(a, b)
 
 
 def _linear_ok(a, b) -> bool:
