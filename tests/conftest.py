@@ -63,6 +63,7 @@ result came in, and none can be lost by the session ending first.
 from __future__ import annotations
 
 import atexit
+import math
 import concurrent.futures
 import multiprocessing
 import os
@@ -399,6 +400,30 @@ def pytest_terminal_summary(terminalreporter):
 
 
 # --- inputs and comparison with the oracle -------------------------------------------
+
+def hf_t5_bucket(relative_position, bidirectional=True, num_buckets=32, max_distance=128):
+    """transformers' T5Attention._relative_position_bucket, verbatim (the reference of flexgen.mods's
+    T5 buckets, and a mod of real client code: log(0) at distance 0 lies in the branch torch.where
+    drops)."""
+    relative_buckets = 0
+    if bidirectional:
+        num_buckets //= 2
+        relative_buckets += (relative_position > 0).to(torch.long) * num_buckets
+        relative_position = torch.abs(relative_position)
+    else:
+        relative_position = -torch.min(relative_position, torch.zeros_like(relative_position))
+    max_exact = num_buckets // 2
+    is_small = relative_position < max_exact
+    relative_position_if_large = max_exact + (
+        torch.log(relative_position.float() / max_exact)
+        / math.log(max_distance / max_exact)
+        * (num_buckets - max_exact)
+    ).to(torch.long)
+    relative_position_if_large = torch.min(
+        relative_position_if_large, torch.full_like(relative_position_if_large, num_buckets - 1))
+    relative_buckets += torch.where(is_small, relative_position, relative_position_if_large)
+    return relative_buckets
+
 
 def make_qkv(B=1, H=2, L=67, D=32, *, Hkv=None, Lkv=None, Dv=None, dtype=torch.float32,
              device="cpu"):

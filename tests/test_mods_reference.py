@@ -24,6 +24,7 @@ import torch
 
 from flexgen.errors import InputError
 from flexgen.reference import dense_mask, flex_attention_reference
+from conftest import hf_t5_bucket
 
 # Front-end checks (tracing, masks, mods and their kernels' numerics): CI runs them with the
 # newest Triton; its second pass compiles their launches from the first pass's record.
@@ -200,28 +201,6 @@ def position_grid(Lq, Lkv):
 def alibi_bias(slopes, Lq, Lkv):
     i, j = position_grid(Lq, Lkv)
     return torch.tensor(slopes, dtype=torch.float64)[:HQ, None, None] * (j - i)
-
-
-def hf_t5_bucket(relative_position, bidirectional=True, num_buckets=32, max_distance=128):
-    """transformers' T5Attention._relative_position_bucket, verbatim."""
-    relative_buckets = 0
-    if bidirectional:
-        num_buckets //= 2
-        relative_buckets += (relative_position > 0).to(torch.long) * num_buckets
-        relative_position = torch.abs(relative_position)
-    else:
-        relative_position = -torch.min(relative_position, torch.zeros_like(relative_position))
-    max_exact = num_buckets // 2
-    is_small = relative_position < max_exact
-    relative_position_if_large = max_exact + (
-        torch.log(relative_position.float() / max_exact)
-        / math.log(max_distance / max_exact)
-        * (num_buckets - max_exact)
-    ).to(torch.long)
-    relative_position_if_large = torch.min(
-        relative_position_if_large, torch.full_like(relative_position_if_large, num_buckets - 1))
-    relative_buckets += torch.where(is_small, relative_position, relative_position_if_large)
-    return relative_buckets
 
 
 def t5_bias(table, Lq, Lkv, **kw):

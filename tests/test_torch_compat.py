@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import flexgen
 from flexgen import AuxRequest, FlexgenError, InputError, TraceError, create_block_mask, flex_attention
 from flexgen.reference import dense_mask, flex_attention_reference, per_element
-from conftest import check, make_qkv
+from conftest import check, hf_t5_bucket, make_qkv
 
 tfa = pytest.importorskip("torch.nn.attention.flex_attention")
 aten = torch.ops.aten
@@ -330,6 +330,19 @@ def test_functions_spelled_as_tensor_methods():
                 + torch.logaddexp2(score, bias[q_idx]) * 0.5)
 
     run(*make_qkv(L=40, D=16), methods)
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_t5_relative_position_buckets(bidirectional):
+    """A table read at T5's buckets (the host's bounds check once crashed in sympy on log(0)),
+    with torch.div's 'trunc' rounding beside it."""
+    table = torch.randn(32, 4)
+
+    def t5(score, b, h, q_idx, kv_idx):
+        step = torch.div(q_idx - kv_idx, 7, rounding_mode="trunc") * 0.01
+        return score + table[hf_t5_bucket(kv_idx - q_idx, bidirectional), h] + step
+
+    run(*make_qkv(B=1, H=4, L=150, D=16), t5)
 
 
 def test_comparisons_with_infinities_in_captured_tensors():
