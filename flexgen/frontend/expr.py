@@ -187,6 +187,7 @@ def _infinite_relation(op: str, a, b):
     bias(kv_idx) + oo into oo, so ``bias[kv_idx] == -inf`` (a captured tensor may hold
     infinities) would fold to False. Over the floats (NaN aside) x >= -inf always holds and
     x > -inf means x != -inf, so each comparison is an equality, an inequality or a constant."""
+    a, b = _as_number(a), _as_number(b)
     if a.is_infinite:
         a, b, op = b, a, {"ge": "le", "gt": "lt", "le": "ge", "lt": "gt"}.get(op, op)
     if a.is_infinite:                                  # both constants: IEEE's answer

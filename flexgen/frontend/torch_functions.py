@@ -169,12 +169,13 @@ def _lerp(start, end, weight):
 
 def _logaddexp(x, y, exp, log):
     """log(exp(x) + exp(y)) without overflow: max + log(1 + exp(-|x - y|)) (base e or 2).
-    Two -inf give -inf, as torch's (max is -inf; the NaN of -inf - -inf is kept out)."""
+    Where the larger is infinite the result is it, as torch's (two -inf give -inf, two +inf
+    +inf: the NaN of inf - inf is kept out)."""
     high = _binary("maximum", x, y)
     gap = _unary("neg", _unary("abs", _binary("sub", x, y)))
-    both_inf = _binary("eq", high, float("-inf"))
-    rest = _unary(log, _binary("add", 1.0, _unary(exp, _where(both_inf, 0.0, gap))))
-    return _where(both_inf, high, _binary("add", high, rest))
+    infinite = _logical("or", _binary("eq", high, float("-inf")), _binary("eq", high, float("inf")))
+    rest = _unary(log, _binary("add", 1.0, _unary(exp, _where(infinite, 0.0, gap))))
+    return _where(infinite, high, _binary("add", high, rest))
 
 
 def _leaky_relu(x, negative_slope=0.01, inplace=False):
