@@ -88,7 +88,8 @@ def _settings(test: str):
 
 @dataclass(frozen=True)
 class Buf:
-    """A captured tensor: ``kind`` "float" (randn), "int" (ids in [low, high]), "bool" or "scalar" (0-d)."""
+    """A captured tensor: ``kind`` "float" (randn), "int" (ids in [low, high]), "bool", "scalar" (0-d)
+    or "inf" (an additive mask: 0, or -inf at about one entry in four)."""
     name: str
     kind: str
     shape: tuple
@@ -102,6 +103,8 @@ class Buf:
                     f"dtype={self.dtype})")
         if self.kind == "bool":
             return f"{self.name} = torch.rand({list(self.shape)}) < 0.5"
+        if self.kind == "inf":
+            return f"{self.name} = torch.where(torch.rand({list(self.shape)}) < 0.25, float('-inf'), 0.0)"
         return f"{self.name} = torch.randn({list(self.shape)}, dtype={self.dtype})"
 
 
@@ -324,7 +327,7 @@ class _Gen:
     def bool(self, depth):
         d = self.draw
         choices = ["int_cmp", "int_cmp"] + (["score_cmp"] if self.with_score else []) \
-            + (["load"] if self.of("bool") else [])
+            + (["load"] if self.of("bool") else []) + (["inf_cmp"] if self.of("inf") else [])
         if depth > 0:
             choices += ["and", "or", "not"]
         op = self.pick(choices)
@@ -335,6 +338,11 @@ class _Gen:
         if op == "load":
             buf = self.pick(self.of("bool"))
             return node("load", buf, *(self.index(n, depth - 1) for n in buf.shape), kind="bool", bound=1)
+        if op == "inf_cmp":
+            # An infinite entry compared with an infinity: kept, not folded as if finite.
+            x = self.load(self.pick(self.of("inf")), depth - 1)
+            return node(self.pick(["eq", "ne", "lt", "le", "gt", "ge"]), x, self.pick([-math.inf, math.inf]),
+                        kind="bool", bound=1)
         if op == "score_cmp":
             return node(self.pick(["lt", "le", "gt", "ge"]), self.score_linear(), self.pick(FLOAT_CONSTS),
                         kind="bool", bound=1)
@@ -538,12 +546,18 @@ def examples(draw, grad: bool):
         buffers.append(Buf(f"flags{i}", "bool", draw(st.sampled_from([(9,), (2, 40)])), torch.bool))
     for i in range(n_scalar):
         buffers.append(Buf(f"scalar{i}", "scalar", ()))
+    # Forward only (torch's derivatives of -inf - -inf are NaN): an additive mask of 0 / -inf
+    # entries, added to the score and compared with infinities.
+    if not grad and draw(st.integers(0, 3)) == 0:
+        buffers.append(Buf("neg_inf", "inf", draw(st.sampled_from([(40,), (130,), (2, 40)]))))
     gen = _Gen(draw, buffers, with_score=True, smooth=grad)
     score = None
     if draw(st.integers(0, 5)):
         score = gen.int(3) if draw(st.integers(0, 9)) == 0 else gen.float(draw(st.integers(1, 4)))
         if draw(st.integers(0, 5)) == 0:     # -inf on some positions: rows may die entirely
             score = node("where", gen.bool(1), score, -math.inf, bound=score.bound)
+        if gen.of("inf") and draw(st.booleans()):
+            score = node("add", score, gen.load(gen.of("inf")[0], 1), bound=score.bound)
     mask = None
     if draw(st.integers(0, 2)):
         mask = _Gen(draw, [b for b in buffers if b.kind in ("int", "bool")], with_score=False).bool(
@@ -584,6 +598,8 @@ def _inputs(ex: Example):
             t = torch.randint(buf.low, buf.high + 1, buf.shape, generator=g, dtype=buf.dtype)
         elif buf.kind == "bool":
             t = torch.rand(buf.shape, generator=g) < 0.5
+        elif buf.kind == "inf":
+            t = torch.where(torch.rand(buf.shape, generator=g) < 0.25, -math.inf, 0.0)
         else:
             t = torch.randn(buf.shape, generator=g).to(buf.dtype)
         t = t.to(DEVICE)
