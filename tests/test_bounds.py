@@ -96,6 +96,23 @@ def test_loose_interval_bounds_raise_nothing_torch_accepts():
     run_and_check(q, k, v, ratio, kernel_options=OPTIONS)
 
 
+def test_an_index_through_log_of_zero_is_checked_in_ieee_arithmetic():
+    """bias[log(q_idx).long() + 3] reads at log(0) = -inf (sympy's exact value there is zoo, which
+    once made the check pass silently): in IEEE arithmetic the index is -2**31 + 3, out of
+    bounds, as torch finds. An index that takes log(0) only in a branch torch.where drops
+    (T5's buckets, test_torch_compat) is in bounds."""
+    bias = torch.randn(40)
+
+    def log_position(score, b, h, q_idx, kv_idx):
+        return score + bias[torch.log(q_idx.float()).long() + 3]
+
+    q, k, v = _qkv(40)
+    with pytest.raises(IndexError):
+        flex_attention_reference(q, k, v, log_position)
+    with pytest.raises(IndexBoundsError, match="from -2147483645 to 6"):
+        flex_attention(q, k, v, score_mod=log_position)
+
+
 def test_mask_mods_are_checked_in_create_block_mask_and_the_call():
     doc = torch.zeros(40, dtype=torch.int32)
 

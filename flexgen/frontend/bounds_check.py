@@ -317,16 +317,38 @@ def _out_of_bounds(index, free, size: int, ranges: dict) -> str | None:
             try:
                 value = index.index.xreplace(corner)
             except (TypeError, ValueError):
-                # Sympy refuses some exact values (T5's buckets take log(0) at distance 0, where
-                # the mod's torch.where picks the other branch): no value to report there.
-                continue
-            if value.is_Integer:
+                value = None
+            if value is None or not value.is_Integer:
+                # Sympy's exact arithmetic has no value where IEEE's has one (log(0) is zoo, not
+                # -inf: T5's buckets take it at distance 0, in the branch torch.where drops).
+                value = _ieee_value(index.index, corner)
+            if value is not None:
                 values.append(int(value))
     bad = [v for v in values if not -size <= v < size]
     if not bad:
         return None
     where = ", ".join(f"{n} in [{ranges[n][0]}, {ranges[n][1]})" for n in free)
     return f"takes values from {min(values)} to {max(values)} for {where}"
+
+
+def _ieee_value(expr, corner: dict):
+    """``expr`` at ``corner`` in float64 IEEE arithmetic (numpy), as a sympy Integer, or None
+    where it is not a finite number. A float becomes an int as on the device (toward zero,
+    saturated to int32, NaN to 0): log(0) = -inf makes an index of -2**31, out of bounds."""
+    import numpy as np
+    import sympy
+
+    def trunc(x):
+        x = np.asarray(x, dtype=np.float64)
+        return np.where(np.isnan(x), 0.0, np.clip(np.trunc(x), -2.0 ** 31, 2.0 ** 31 - 1))
+
+    fn = sympy.lambdify(list(corner), expr, modules=[{"Trunc": trunc}, "numpy"])
+    try:
+        with np.errstate(all="ignore"):
+            value = float(fn(*(int(v) for v in corner.values())))
+    except (TypeError, ValueError, ZeroDivisionError):
+        return None
+    return sympy.Integer(int(value)) if math.isfinite(value) and value == int(value) else None
 
 
 def _corners(free, ranges) -> list:
