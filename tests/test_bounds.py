@@ -113,6 +113,29 @@ def test_an_index_through_log_of_zero_is_checked_in_ieee_arithmetic():
         flex_attention(q, k, v, score_mod=log_position)
 
 
+def test_an_index_out_of_bounds_between_the_corners_is_found():
+    """20 - |q_idx - 20| is 0 and 1 at the first and last query and 20 in between: checking the
+    corners alone let it read masked zeros past a tensor of 10. So is a relative index, checked
+    at every distance kv_idx - q_idx (|d| // 2 + 10 + d % 3 reaches 31 at d = 38)."""
+    bias, table = torch.randn(10), torch.randn(31)
+
+    def peak(score, b, h, q_idx, kv_idx):
+        return score + bias[20 - (q_idx - 20).abs()]
+
+    def relative(score, b, h, q_idx, kv_idx):
+        d = kv_idx - q_idx
+        return score + table[d.abs() // 2 + 10 + d % 3]
+
+    q, k, v = _qkv(40)
+    for mod, words in ((peak, "from 0 to 20"), (relative, "to 31")):
+        with pytest.raises(IndexError):
+            flex_attention_reference(q, k, v, mod)
+        with pytest.raises(IndexBoundsError, match=words):
+            flex_attention(q, k, v, score_mod=mod)
+    q, k, v = _qkv(37)
+    run_and_check(q, k, v, relative, kernel_options=OPTIONS)        # up to 29: runs
+
+
 def test_mask_mods_are_checked_in_create_block_mask_and_the_call():
     doc = torch.zeros(40, dtype=torch.int32)
 

@@ -28,6 +28,7 @@ other index that depends on positions only (``q_idx // 2``) takes the sympy path
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -311,19 +312,9 @@ def _out_of_bounds(index, free, size: int, ranges: dict) -> str | None:
         lo, hi = index.bounds(ranges)
         if -size <= lo and hi < size:
             return None
-        # Bounds over-estimate: confirm with exact values at real positions, the corners.
-        values = []
-        for corner in _corners(free, ranges):
-            try:
-                value = index.index.xreplace(corner)
-            except (TypeError, ValueError):
-                value = None
-            if value is None or not value.is_Integer:
-                # Sympy's exact arithmetic has no value where IEEE's has one (log(0) is zoo, not
-                # -inf: T5's buckets take it at distance 0, in the branch torch.where drops).
-                value = _ieee_value(index.index, corner)
-            if value is not None:
-                values.append(int(value))
+        # Bounds over-estimate: confirm with the values at real positions (every position where
+        # that is cheap, else the corners).
+        values = _position_values(index.index, free, ranges)
     bad = [v for v in values if not -size <= v < size]
     if not bad:
         return None
@@ -331,10 +322,9 @@ def _out_of_bounds(index, free, size: int, ranges: dict) -> str | None:
     return f"takes values from {min(values)} to {max(values)} for {where}"
 
 
-def _ieee_value(expr, corner: dict):
-    """``expr`` at ``corner`` in float64 IEEE arithmetic (numpy), as a sympy Integer, or None
-    where it is not a finite number. A float becomes an int as on the device (toward zero,
-    saturated to int32, NaN to 0): log(0) = -inf makes an index of -2**31, out of bounds."""
+@functools.lru_cache(maxsize=256)
+def _numpy_function(expr, symbols: tuple):
+    """``expr`` as a numpy function of ``symbols`` (kept: a decode loop checks each new length)."""
     import numpy as np
     import sympy
 
@@ -342,25 +332,80 @@ def _ieee_value(expr, corner: dict):
         x = np.asarray(x, dtype=np.float64)
         return np.where(np.isnan(x), 0.0, np.clip(np.trunc(x), -2.0 ** 31, 2.0 ** 31 - 1))
 
-    fn = sympy.lambdify(list(corner), expr, modules=[{"Trunc": trunc}, "numpy"])
-    try:
-        with np.errstate(all="ignore"):
-            value = float(fn(*(int(v) for v in corner.values())))
-    except (TypeError, ValueError, ZeroDivisionError):
-        return None
-    return sympy.Integer(int(value)) if math.isfinite(value) and value == int(value) else None
+    return sympy.lambdify(symbols, expr, modules=[{"Trunc": trunc}, "numpy"])
 
 
-def _corners(free, ranges) -> list:
-    """Every combination of the first and last position of each free variable (sympy's)."""
+# Positions the check evaluates an index at, one by one, at most (a numpy array of float64).
+_GRID_MAX = 1 << 22
+
+
+@functools.cache
+def _distance():
+    """The symbol standing for kv_idx - q_idx (made at first use: sympy loads lazily)."""
     import sympy
+    return sympy.Symbol("_flexgen_kv_minus_q", integer=True)
+
+
+@functools.lru_cache(maxsize=256)
+def _relative_form(expr):
+    """``expr`` of q_idx and kv_idx as a function of kv_idx - q_idx alone, or None where it is
+    not one (kept: sympy's substitution takes milliseconds, a decode loop checks each length)."""
+    from ..frontend.expr import INDEX_SYMBOLS
+    q, kv = INDEX_SYMBOLS["q_idx"], INDEX_SYMBOLS["kv_idx"]
+    relative = expr.xreplace({kv: q + _distance()})
+    return None if q in relative.free_symbols else relative
+
+
+def _position_values(expr, free, ranges) -> list:
+    """The values ``expr`` takes at the call's positions, computed in float64 IEEE arithmetic
+    (numpy; a float becomes an int as on the device: toward zero, saturated to int32, NaN to
+    0), where sympy's exact arithmetic has none (log(0) is zoo there, -inf here: T5's buckets
+    take it at distance 0, in the branch torch.where drops). Where the index reads q_idx and
+    kv_idx only through kv_idx - q_idx (relative positions), at every difference; else at every
+    position when there are at most _GRID_MAX; else at the corners (where an index monotone in
+    each position takes its extremes; one that is not may leave its tensor unseen there)."""
+    import numpy as np
 
     from ..frontend.expr import INDEX_SYMBOLS
-    corners = [{}]
-    for n in free:
-        lo, hi = ranges[n]
-        corners = [{**c, INDEX_SYMBOLS[n]: sympy.Integer(v)} for c in corners for v in sorted({lo, hi - 1})]
-    return corners
+    symbols = [INDEX_SYMBOLS[n] for n in free]
+    axes = [np.arange(*ranges[n], dtype=np.float64) for n in free]
+    relative = _relative_form(expr) if set(free) == {"q_idx", "kv_idx"} else None
+    if relative is not None:
+        (q_lo, q_hi), (kv_lo, kv_hi) = ranges["q_idx"], ranges["kv_idx"]
+        values = _relative_values(relative, kv_lo - q_hi + 1, kv_hi - q_lo)
+    else:
+        if math.prod(len(a) for a in axes) > _GRID_MAX:
+            axes = [np.array(sorted({lo, hi - 1}), dtype=np.float64) for lo, hi in (ranges[n] for n in free)]
+        values = _evaluate(expr, symbols, axes)
+    values = values[np.isfinite(values)]
+    return [int(values.min()), int(values.max())] if values.size else []
+
+
+def _evaluate(expr, symbols, axes):
+    """``expr`` at every point of the grid ``axes`` (one float64 axis per symbol), flattened."""
+    import numpy as np
+    grids = np.meshgrid(*axes, indexing="ij", sparse=True)
+    with np.errstate(all="ignore"):
+        values = np.asarray(_numpy_function(expr, tuple(symbols))(*grids), dtype=np.float64)
+    return np.broadcast_to(values, tuple(len(a) for a in axes)).reshape(-1)
+
+
+_RELATIVE: dict = {}        # relative index -> (lo, hi, its values at distances lo .. hi - 1)
+
+
+def _relative_values(expr, lo: int, hi: int):
+    """A relative index's values at distances lo .. hi - 1. Kept over a span twice as wide as
+    asked: a decode loop asks for one more key each step, and slicing costs microseconds
+    where evaluating costs a millisecond."""
+    import numpy as np
+    hit = _RELATIVE.get(expr)
+    if hit is None or lo < hit[0] or hi > hit[1]:
+        width = hi - lo
+        span = (min(lo, hit[0]) if hit else lo) - width, (max(hi, hit[1]) if hit else hi) + width
+        if len(_RELATIVE) >= _CHECKED_MAX:
+            _RELATIVE.clear()
+        hit = _RELATIVE[expr] = (*span, _evaluate(expr, [_distance()], [np.arange(*span, dtype=np.float64)]))
+    return hit[2][lo - hit[0]:hi - hit[0]]
 
 
 class _Interval:
