@@ -391,6 +391,7 @@ def _evaluate(expr, symbols, axes):
 
 
 _RELATIVE: dict = {}        # relative index -> (lo, hi, its values at distances lo .. hi - 1)
+_RELATIVE_MAX = 64          # entries (each up to a few MB at long lengths)
 
 
 def _relative_values(expr, lo: int, hi: int):
@@ -402,7 +403,7 @@ def _relative_values(expr, lo: int, hi: int):
     if hit is None or lo < hit[0] or hi > hit[1]:
         width = hi - lo
         span = (min(lo, hit[0]) if hit else lo) - width, (max(hi, hit[1]) if hit else hi) + width
-        if len(_RELATIVE) >= _CHECKED_MAX:
+        if len(_RELATIVE) >= _RELATIVE_MAX:
             _RELATIVE.clear()
         hit = _RELATIVE[expr] = (*span, _evaluate(expr, [_distance()], [np.arange(*span, dtype=np.float64)]))
     return hit[2][lo - hit[0]:hi - hit[0]]
