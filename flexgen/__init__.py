@@ -32,11 +32,12 @@ def clear_caches() -> None:
     process, and which masks it built (the disk cache stays). For tests and long-lived processes that generate
     many one-off mods; nothing else needs it: every memo is bounded."""
     from .codegen import cache, spec
-    from .frontend import grad, lowering, trace
+    from .frontend import bounds_check, grad, lowering, trace
     from .masks import builder
     from .runtime import launch, plan
-    for clear in (trace.clear_memos, lowering.clear_memos, grad.clear_memos, plan.clear_memos,
-                  spec.clear_memos, cache.clear_memos, launch.clear_memos, builder.clear_memos):
+    for clear in (trace.clear_memos, lowering.clear_memos, grad.clear_memos, bounds_check.clear_memos,
+                  plan.clear_memos, spec.clear_memos, cache.clear_memos, launch.clear_memos,
+                  builder.clear_memos):
         clear()
 
 

@@ -409,6 +409,13 @@ def _relative_values(expr, lo: int, hi: int):
     return hit[2][lo - hit[0]:hi - hit[0]]
 
 
+def clear_memos() -> None:
+    for memo in (_CHECKED, _INDICES, _PROVEN, _RELATIVE):
+        memo.clear()
+    _numpy_function.cache_clear()
+    _relative_form.cache_clear()
+
+
 class _Interval:
     """Interval bounds (lo, hi), inclusive floats, of an expression over position ranges."""
 
