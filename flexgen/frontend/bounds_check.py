@@ -367,16 +367,15 @@ def _position_values(expr, free, ranges) -> list:
     import numpy as np
 
     from ..frontend.expr import INDEX_SYMBOLS
-    symbols = [INDEX_SYMBOLS[n] for n in free]
-    axes = [np.arange(*ranges[n], dtype=np.float64) for n in free]
     relative = _relative_form(expr) if set(free) == {"q_idx", "kv_idx"} else None
     if relative is not None:
         (q_lo, q_hi), (kv_lo, kv_hi) = ranges["q_idx"], ranges["kv_idx"]
         values = _relative_values(relative, kv_lo - q_hi + 1, kv_hi - q_lo)
     else:
-        if math.prod(len(a) for a in axes) > _GRID_MAX:
-            axes = [np.array(sorted({lo, hi - 1}), dtype=np.float64) for lo, hi in (ranges[n] for n in free)]
-        values = _evaluate(expr, symbols, axes)
+        every = math.prod(ranges[n][1] - ranges[n][0] for n in free) <= _GRID_MAX
+        axes = [np.arange(lo, hi, dtype=np.float64) if every else np.array(sorted({lo, hi - 1}), dtype=np.float64)
+                for lo, hi in (ranges[n] for n in free)]
+        values = _evaluate(expr, [INDEX_SYMBOLS[n] for n in free], axes)
     values = values[np.isfinite(values)]
     return [int(values.min()), int(values.max())] if values.size else []
 
