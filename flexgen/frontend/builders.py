@@ -295,12 +295,18 @@ def _bound_method(value, name):
     a private name is an AttributeError (Python and dynamo probe for them)."""
     if name.startswith("_"):
         raise AttributeError(name)
+    method = _method(name)
+    return None if method is None else (lambda *args, **kwargs: method(value, *args, **kwargs))
+
+
+def _method(name: str):
+    """The tracer's tensor method ``name`` (a function of the value and the call's arguments),
+    or None. A method whose torch function the tracer knows is that function (x.log1p() as
+    torch.log1p(x)): one table, so that no supported function is refused in its method spelling."""
     method = _METHODS.get(name)
     if method is None:
-        # A method whose torch function the tracer knows (x.log1p() as torch.log1p(x)): one
-        # table, so that no supported function is refused in its method spelling.
         method = torch_functions._FUNCTIONS.get(getattr(torch.Tensor, name, None))
-    return None if method is None else (lambda *args, **kwargs: method(value, *args, **kwargs))
+    return method
 
 
 @_elementwise

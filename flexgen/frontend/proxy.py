@@ -291,7 +291,7 @@ class View(_Operators):
     def __getattr__(self, name):
         if name.startswith("_"):
             raise AttributeError(name)
-        if name in _METHODS or name in Row.__dict__:
+        if _method(name) is not None or name in Row.__dict__:
             return getattr(self._row(), name)
         raise self._tracer.fail(
             f".{name} of a partly indexed captured tensor (shape {list(self.shape)} left)",
@@ -622,5 +622,5 @@ from .rows import (  # noqa: E402
     _grid_reshape, _index, _positions, _promote_all, _reduced_dims, _row_used_as_value, _select,
     _sizes, _static_key, _strides)
 from .builders import (  # noqa: E402
-    _binary, _bound_method, _cast, _const, _invert, _line, _METHODS, _proxy, _unary, _where)
+    _binary, _bound_method, _cast, _const, _invert, _line, _method, _proxy, _unary, _where)
 from .torch_functions import _FUNCTION_NAMES, _torch_function  # noqa: E402
