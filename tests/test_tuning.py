@@ -328,10 +328,14 @@ def test_smaller_linear_keeps_the_chunk():
     assert tuning.smaller(linear_spec("linear", part="gates", block_m=64, num_stages=3)) is None
 
 
-def test_transcendental_score_mods_use_their_own_row(monkeypatch):
+def test_a_forward_takes_the_row_of_its_most_specific_name(monkeypatch):
+    """A forward kernel's table names run most specific first (``forward_kernel``), each falling
+    back to the next where the table has no row: soft-caps (tanh) and plain rows without a block
+    mask have rows of their own at head dim 128; at 64 a mask reading captured tensors and a
+    score_mod taken as terms (ALiBi) keep 64-key tiles, which the 64 x 128 row would slow."""
     from flexgen.frontend.lowering import lower
     from flexgen.frontend.trace import trace_cached
-    monkeypatch.setattr(tuning, "gpu_name", lambda device: "H100")
+    monkeypatch.setattr(tuning, "gpu_name", lambda device: "H200")
 
     def softcap(score, b, h, q_idx, kv_idx):
         return 20.0 * torch.tanh(score / 20.0)
@@ -339,24 +343,36 @@ def test_transcendental_score_mods_use_their_own_row(monkeypatch):
     def alibi(score, b, h, q_idx, kv_idx):
         return score + (kv_idx - q_idx) * 0.25
 
-    assert tuning.forward_kernel(lower(trace_cached(softcap, "score_mod"))) == "forward:transcendental"
-    assert tuning.forward_kernel(lower(trace_cached(alibi, "score_mod"))) == "forward"
-    assert tuning.forward_kernel(None) == "forward"
-    assert tuning.forward_kernel(None, has_block_mask=False) == "forward:dense"
-    assert tuning.forward_kernel(lower(trace_cached(alibi, "score_mod")), has_block_mask=False) == "forward:dense"
-    assert tuning.forward_kernel(lower(trace_cached(softcap, "score_mod")), has_block_mask=False) \
-        == "forward:transcendental"
-    dense = tuning.table_row("forward:dense", 128, "bfloat16", CUDA)
-    assert dense == tuning.TUNED[("forward:dense", "H100", "bfloat16", 128)] != tuning.table_row(
-        "forward", 128, "bfloat16", CUDA)
-    assert tuning.table_row("forward:dense", 64, "bfloat16", CUDA) == tuning.table_row("forward", 64, "bfloat16", CUDA)
-    heavy = tuning.table_row("forward:transcendental", 128, "bfloat16", CUDA)
-    assert heavy == tuning.TUNED[("forward:transcendental", "H100", "bfloat16", 128)]
-    assert heavy != tuning.table_row("forward", 128, "bfloat16", CUDA)
-    # no row of its own at D=64: the forward row
-    assert tuning.table_row("forward:transcendental", 64, "bfloat16", CUDA) == \
-        tuning.table_row("forward", 64, "bfloat16", CUDA)
-    assert tuning.table_row("forward:transcendental", 64, "bfloat16", torch.device("cpu")) == \
+    def lowered(mod, kind):
+        return lower(trace_cached(mod, kind))
+
+    softcap, alibi = lowered(softcap, "score_mod"), lowered(alibi, "score_mod")
+    causal = lowered(flexgen.mods.causal_mask, "mask_mod")
+    document = lowered(flexgen.mods.document_mask(torch.zeros(1, 64, dtype=torch.int32)), "mask_mod")
+    names = tuning.forward_kernel
+    assert names(softcap, causal) == ("forward:transcendental", "forward")
+    assert names(alibi, None) == ("forward:terms", "forward")
+    assert names(None, causal) == ("forward",)
+    assert names(None, None, has_block_mask=False) == ("forward:dense", "forward")
+    assert names(alibi, None, has_block_mask=False) == ("forward:terms", "forward:dense", "forward")
+    assert names(softcap, None, has_block_mask=False) == ("forward:transcendental", "forward:dense", "forward")
+    assert names(alibi, document) == ("forward:mask_loads", "forward:terms", "forward")
+
+    def row(names, head, dtype="bfloat16"):
+        return tuning.table_row(names, head, dtype, CUDA)
+
+    dense = tuning.TUNED[("forward:dense", "H100", "bfloat16", 128)]
+    assert row(("forward:dense", "forward"), 128) == dense != row("forward", 128)
+    assert row(("forward:terms", "forward:dense", "forward"), 128) == dense
+    heavy = tuning.TUNED[("forward:transcendental", "H100", "bfloat16", 128)]
+    assert row(("forward:transcendental", "forward"), 128) == heavy != row("forward", 128)
+    # at head dim 64: no rows for soft-caps or dense calls (the forward row: 64 x 128), but
+    # for captured mask tensors and terms (64 x 64), in fp16 as in bf16
+    assert row(("forward:transcendental", "forward:dense", "forward"), 64) == row("forward", 64)
+    assert row("forward", 64)["BLOCK_N"] == 128
+    assert row(("forward:mask_loads", "forward"), 64, "float16")["BLOCK_N"] == 64
+    assert row(("forward:terms", "forward:dense", "forward"), 64)["BLOCK_N"] == 64
+    assert tuning.table_row(("forward:transcendental", "forward"), 64, "bfloat16", torch.device("cpu")) == \
         tuning.DEFAULTS["forward"]["cpu"]
 
 

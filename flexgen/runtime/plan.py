@@ -193,9 +193,10 @@ def _memo(cache: dict, key, make):
 
 # ---------------------------------------------------------------------------------- tiles
 
-def tiles(kernel: str, options: KernelOptions, part: str, head_dim: int, dtype: str, device,
+def tiles(kernel, options: KernelOptions, part: str, head_dim: int, dtype: str, device,
           sparse_q: int, sparse_kv: int) -> dict:
-    """BLOCK_M, BLOCK_N, num_warps, num_stages for ``kernel``: the tuning table's, with the
+    """BLOCK_M, BLOCK_N, num_warps, num_stages for ``kernel`` (a name or names, as
+    ``tuning.table_row`` takes them): the tuning table's, with the
     caller's choices on top, tiles dividing the sparse blocks."""
     opts = tuning.options(kernel, head_dim, dtype, device, sparse_q, sparse_kv)
     opts.update(options.tiles(part))
@@ -323,8 +324,8 @@ def _plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_
                                   opts, paged=False)
         return plan
     sparse_q, sparse_kv = info.block_size if info is not None else (128, 128)
-    name = tuning.forward_kernel(score, info is not None)
-    t = tiles(name, opts, "", max(D, Dv), DTYPES[dtype], device, sparse_q, sparse_kv)
+    names = tuning.forward_kernel(score, mask, info is not None)
+    t = tiles(names, opts, "", max(D, Dv), DTYPES[dtype], device, sparse_q, sparse_kv)
     use_tma = plan.use_tma
 
     def spec(tma):

@@ -33,8 +33,8 @@ import torch
 
 from ..codegen.spec import KernelSpec, pad_head_dim
 
-KERNELS = ("forward", "forward:transcendental", "forward:dense", "backward.dq", "backward.dq:scatter",
-           "backward.dkdv")
+KERNELS = ("forward", "forward:transcendental", "forward:dense", "forward:terms", "forward:mask_loads",
+           "backward.dq", "backward.dq:scatter", "backward.dkdv")
 FIELDS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "num_warps": "num_warps",
           "num_stages": "num_stages"}
 
@@ -70,7 +70,20 @@ FLOAT32 = {("forward", 128): dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stag
 # H100 SXM, torch 2.11, triton 3.6, 2026-11-23 (benchmarks/results/tune_h100_20261123.json),
 # cases: full and causal, 16 heads x 16k tokens.
 TUNED: dict = {
-    ("forward", "H100", "bfloat16", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),     # 5-11%
+    # Head dim 64, measured on an H200 (2026-11-29, results/tiles_*_h200_20261129e.json and
+    # tl64_rows_ab_h200_20261129e.txt): 64 x 128, 4 warps, two stages against the 64 x 64 / 4 / 3
+    # row the H100 measured on 2026-11-23 (older templates; full and causal at 16k, which the
+    # Gluon kernel runs now). A/B in one process: sliding windows of 512 and 1024 keys at 16k
+    # (AUTO's tl kernel there) 7.4-7.6% faster, 8 x 2k full 7.3%, causal 9.0%, prefix LM 8.2%,
+    # soft-cap 6.9%, window 7.7%; 16 x 1k causal 2.5% slower. fp16 measured alike.
+    ("forward", "H100", "bfloat16", 64): dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2),
+    # Except for a mask_mod reading captured tensors (document ids): at 64 x 128 with 4 warps
+    # Triton's layout pass (3.6) moves the score tile out of the MMA layout and runs the softmax
+    # twice, once per layout (648 shuffles and 296 spilled stores in the sm_90 SASS): 6x slower
+    # (8 x 2k documents 1.89 against 0.31 ms). And a score_mod taken as key and row terms (ALiBi):
+    # 0.415 against 0.370 ms with two stages. Both keep the H100's row.
+    ("forward:mask_loads", "H100", "bfloat16", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+    ("forward:terms", "H100", "bfloat16", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
     # With a block mask: causal 2.449 -> 2.398 ms with two stages instead of three (tune_h100_20261123_tma.json).
     ("forward", "H100", "bfloat16", 128): dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
     # tanh softcap: the 128x128 row above was 10% (16k) and 6% (2k x 8) slower than these
@@ -132,28 +145,39 @@ def transcendental(expr) -> bool:
                          sympy.atan, sympy.sinh, sympy.cosh, sympy.erf))
 
 
-def forward_kernel(score, has_block_mask: bool = True) -> str:
-    """The table's name for a forward kernel with this lowered score_mod (or None):
-    "forward:transcendental" (a score_mod with tanh, exp, ...), else "forward" with a
-    block mask and "forward:dense" without one (every kv tile full: no mask pass)."""
+def forward_kernel(score, mask, has_block_mask: bool = True) -> tuple:
+    """The table's names for a forward kernel with these lowered mods (either may be None), most
+    specific first (``table_row`` takes the first with a row): "forward:mask_loads" (a mask_mod
+    reading captured tensors), "forward:terms" (a score_mod taken as key and row terms, ALiBi),
+    "forward:transcendental" (a score_mod with tanh, exp, ...), then "forward:dense" without a
+    block mask (every kv tile full: no mask pass), then "forward"."""
+    names = []
+    if mask is not None and not mask.is_true and mask.buffers:
+        names.append("forward:mask_loads")
+    if score is not None and score.terms is not None:
+        names.append("forward:terms")
     if score is not None and score.transcendental:
-        return "forward:transcendental"
-    return "forward" if has_block_mask else "forward:dense"
+        names.append("forward:transcendental")
+    if not has_block_mask:
+        names.append("forward:dense")
+    return tuple(names) + ("forward",)
 
 
-def table_row(kernel: str, head_dim: int, dtype: str, device: torch.device) -> dict:
+def table_row(kernel, head_dim: int, dtype: str, device: torch.device) -> dict:
     """The configuration the table gives a kernel (before clamping to sparse blocks).
 
-    ``dtype`` is the spec's name for it: "bfloat16", "float16" or "float32". A
-    variant ("forward:transcendental") without a row of its own uses its kernel's.
+    ``kernel``: a name, or names most specific first (``forward_kernel``); ``dtype`` is the
+    spec's name for it: "bfloat16", "float16" or "float32". A variant
+    ("forward:transcendental") without a row of its own uses the next name's, else its kernel's.
     """
-    base = kernel.split(":")[0]
+    names = (kernel,) if isinstance(kernel, str) else tuple(kernel)
+    base = names[-1].split(":")[0]
     if device.type != "cuda":
         return dict(DEFAULTS[base]["cpu"])
     padded = pad_head_dim(head_dim)
     gpu = gpu_name(device)
     # fp16 and bf16 tiles cost the same: one stands in for the other.
-    for name in dict.fromkeys((kernel, base)):
+    for name in dict.fromkeys(names + (base,)):
         for chip in dict.fromkeys((gpu, SAME_DIE.get(gpu, gpu))):
             for dt in (dtype, {"bfloat16": "float16", "float16": "bfloat16"}.get(dtype)):
                 row = TUNED.get((name, chip, dt, padded))
@@ -164,7 +188,7 @@ def table_row(kernel: str, head_dim: int, dtype: str, device: torch.device) -> d
     return dict(next(DEFAULTS[base][d] for d in (64, 128, 256) if head_dim <= d))
 
 
-def options(kernel: str, head_dim: int, dtype: str, device: torch.device,
+def options(kernel, head_dim: int, dtype: str, device: torch.device,
             sparse_q: int, sparse_kv: int) -> dict:
     """BLOCK_M, BLOCK_N, num_warps, num_stages for a kernel, tiles clamped to the sparse blocks."""
     opts = table_row(kernel, head_dim, dtype, device)
