@@ -373,6 +373,41 @@ def test_comparisons_with_infinities_in_captured_tensors():
     run(q.detach(), k.detach(), v.detach(), both_infinite, grad=False)
 
 
+def test_nan_checks_on_captured_tensors():
+    """A captured tensor may hold NaN, and a mod guards against it as torch code does:
+    ``x != x``, ``x == x``, ``torch.isnan``, ``isfinite``. A float compared with itself is not
+    folded as a difference (x - x is 0: ``x != x`` once lowered to False, the guard vanished
+    and NaN reached the output); the guarded entries' gradients are exact too."""
+    bias = torch.randn(48)
+    bias[[5, 17, 30]] = float("nan")
+    bias[9] = float("-inf")
+    slopes = torch.randn(48).requires_grad_()
+
+    def guarded(score, b, h, q_idx, kv_idx):
+        x = bias[kv_idx]
+        kept = torch.where(x != x, -1e4, score + x)
+        kept = torch.where(torch.isnan(bias[q_idx]), kept * 0.5, kept)
+        kept = torch.where(x.isfinite(), kept, kept - 1.0)
+        return torch.where(x >= x, kept, kept + 2.0) + torch.where(x > x, 1e4, 0.0)
+
+    def learned(score, b, h, q_idx, kv_idx):
+        x = bias[kv_idx]
+        # (Not slopes * x: where x is NaN, torch's gradient of where() is 0 * NaN for that branch.)
+        return torch.where(x == x, score + slopes[kv_idx], score - slopes[q_idx])
+
+    def no_nan_keys(b, h, q_idx, kv_idx):
+        return ~torch.isnan(bias[kv_idx]) & (kv_idx <= q_idx + 8)
+
+    q, k, v = make_qkv(L=48, D=16)
+    run(q, k, v, guarded)
+    run(q, k, v, learned, learned=(slopes,))
+    run(q, k, v, None, no_nan_keys)
+    # An integer compared with itself folds as before.
+    from flexgen.frontend.lowering import lower
+    from flexgen.frontend.trace import trace
+    assert lower(trace(lambda b, h, q_idx, kv_idx: q_idx == q_idx, "mask_mod")).is_true
+
+
 # --- what cannot become a kernel: clear errors -------------------------------------------------
 
 @torch.library.custom_op("flexgen_compat_test::fast_tanh", mutates_args=())

@@ -375,6 +375,11 @@ class TritonPrinter:
     def _print_Not(self, e):
         return f"({self.as_bool(e.args[0])} == 0)", "bool"
 
+    def _print_IsNan(self, e):
+        # x != x: true for NaN alone (an unordered compare, which LLVM keeps as is).
+        x, _ = self.temp(self.as_float(e.args[0]), "float")
+        return f"({x} != {x})", "bool"
+
     def _print_Equivalent(self, e):
         a, b = e.args
         return f"({self.as_bool(a)} == {self.as_bool(b)})", "bool"

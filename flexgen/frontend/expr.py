@@ -9,7 +9,8 @@ This runs once per new mod, never per call.
 Conventions of the canonical form:
 - numbers are exact (a Python float becomes the Rational of its binary value);
 - every comparison is ``d >= 0``, ``d > 0`` (float d only), ``d == 0`` or
-  ``d != 0`` with ``d`` sign-normalised;
+  ``d != 0`` with ``d`` sign-normalised, except a float compared with itself, which is
+  ``IsNan`` (``x != x``) or its negation, and comparisons with an infinity;
 - a captured tensor is an undefined function ``{prefix}buf{slot}(indices...)``
   whose assumptions say whether it holds integers (bool buffers load as 0/1
   integers and are compared with 0).
@@ -86,6 +87,21 @@ class MinOf(sympy.Min):
         x = self.args[argindex - 1]
         rest = [a for i, a in enumerate(self.args) if i != argindex - 1]
         return sympy.Heaviside((rest[0] if len(rest) == 1 else type(self)(*rest)) - x)
+
+
+class IsNan(sympy.logic.boolalg.BooleanFunction):
+    """Whether a float is NaN: ``x != x`` (torch.isnan). A comparison of a float with itself
+    cannot be taken as a difference (x - x is 0, so ``x != x`` would fold to False and a mod's
+    NaN guard on a captured tensor would vanish): it is this, printed ``x != x``. Only numbers
+    and integers are decided; sympy takes the score as real, a kernel's may still be NaN."""
+
+    @classmethod
+    def eval(cls, x):
+        if x is sympy.nan:
+            return sympy.true
+        if x.is_integer or x.is_Number or x.is_infinite:
+            return sympy.false
+        return None
 
 
 def _bitwise(name, op):
@@ -172,6 +188,10 @@ def relation(op: str, a, b):
         return sympy.true if op == "ne" else sympy.false
     if getattr(a, "is_infinite", False) or getattr(b, "is_infinite", False):
         return _infinite_relation(op, a, b)
+    if a == b and not getattr(a, "is_integer", False):
+        # IEEE: x == x, x >= x and x <= x hold unless x is NaN; x > x and x < x never do.
+        nan = IsNan(_as_number(a))
+        return {"ne": nan, "gt": sympy.false, "lt": sympy.false}.get(op, sympy.Not(nan))
     d = sympy.expand(_as_number(a) - _as_number(b)) if _linear_ok(a, b) else _as_number(a) - _as_number(b)
     if op in ("le", "lt"):
         d, op = -d, {"le": "ge", "lt": "gt"}[op]

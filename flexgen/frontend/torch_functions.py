@@ -60,6 +60,11 @@ def _functions() -> dict:
         torch.isinf, torch.Tensor.isinf, *aten_op("isinf"))
     add(lambda x: _binary("eq", x, float("inf")), torch.isposinf, torch.Tensor.isposinf, *aten_op("isposinf"))
     add(lambda x: _binary("eq", x, float("-inf")), torch.isneginf, torch.Tensor.isneginf, *aten_op("isneginf"))
+    # x != x holds for NaN alone (the lowering keeps a float compared with itself: expr.IsNan).
+    add(lambda x: _binary("ne", x, x), torch.isnan, torch.Tensor.isnan, *aten_op("isnan"))
+    add(lambda x: _logical("and", _binary("eq", x, x), _logical("and", _binary("ne", x, float("inf")),
+                                                                _binary("ne", x, float("-inf")))),
+        torch.isfinite, torch.Tensor.isfinite, *aten_op("isfinite"))
     add(_lerp, torch.lerp, torch.Tensor.lerp, *aten_op("lerp"))
     add((lambda x, y: _logaddexp(x, y, "exp", "log")), torch.logaddexp, torch.Tensor.logaddexp,
         *aten_op("logaddexp"))
@@ -207,7 +212,7 @@ _FUNCTION_NAMES = set(UNARY) | {"where", "clamp", "minimum", "maximum", "masked_
                                 "new_ones", "new_zeros", "new_full", "ones_like", "zeros_like",
                                 "gelu", "softplus", "logsigmoid", "leaky_relu", "square",
                                 "reciprocal", "log1p", "expm1", "lerp", "logaddexp", "logaddexp2",
-                                "isinf", "isposinf", "isneginf",
+                                "isinf", "isposinf", "isneginf", "isnan", "isfinite",
                                 "full_like"}
 
 
