@@ -88,8 +88,9 @@ def _settings(test: str):
 
 @dataclass(frozen=True)
 class Buf:
-    """A captured tensor: ``kind`` "float" (randn), "int" (ids in [low, high]), "bool", "scalar" (0-d)
-    or "inf" (an additive mask: 0, or -inf at about one entry in four)."""
+    """A captured tensor: ``kind`` "float" (randn), "int" (ids in [low, high]), "bool", "scalar" (0-d),
+    "inf" (an additive mask: 0, or -inf at about one entry in four) or "nan" (randn with NaN at
+    about one entry in four, read only through comparisons with itself)."""
     name: str
     kind: str
     shape: tuple
@@ -105,6 +106,9 @@ class Buf:
             return f"{self.name} = torch.rand({list(self.shape)}) < 0.5"
         if self.kind == "inf":
             return f"{self.name} = torch.where(torch.rand({list(self.shape)}) < 0.25, float('-inf'), 0.0)"
+        if self.kind == "nan":
+            return (f"{self.name} = torch.where(torch.rand({list(self.shape)}) < 0.25, float('nan'), "
+                    f"torch.randn({list(self.shape)}))")
         return f"{self.name} = torch.randn({list(self.shape)}, dtype={self.dtype})"
 
 
@@ -327,7 +331,8 @@ class _Gen:
     def bool(self, depth):
         d = self.draw
         choices = ["int_cmp", "int_cmp"] + (["score_cmp"] if self.with_score else []) \
-            + (["load"] if self.of("bool") else []) + (["inf_cmp"] if self.of("inf") else [])
+            + (["load"] if self.of("bool") else []) + (["inf_cmp"] if self.of("inf") else []) \
+            + (["nan_check"] * 3 if self.of("nan") else [])
         if depth > 0:
             choices += ["and", "or", "not"]
         op = self.pick(choices)
@@ -346,6 +351,10 @@ class _Gen:
         if op == "score_cmp":
             return node(self.pick(["lt", "le", "gt", "ge"]), self.score_linear(), self.pick(FLOAT_CONSTS),
                         kind="bool", bound=1)
+        if op == "nan_check":
+            # x != x, x == x, ...: NaN's own truth table, not folded as x - x.
+            x = self.load(self.pick(self.of("nan")), depth - 1)
+            return node(self.pick(["eq", "ne", "lt", "le", "gt", "ge"]), x, x, kind="bool", bound=1)
         if op == "not":
             return node("not", self.bool(depth - 1), kind="bool", bound=1)
         return node(op, self.bool(depth - 1), self.bool(depth - 1), kind="bool", bound=1)
@@ -573,6 +582,18 @@ def examples(draw, grad: bool):
     # precision, not of the kernels; test_backward's GPU cases allow 5% there).
     learn = tuple(grad and dtype == torch.float32 and b.kind in ("float", "scalar") and draw(st.booleans())
                   for b in buffers)
+    # NaN guards, forward and backward: a tensor with NaN entries read only through comparisons
+    # with itself, on the score's path or in the mask. Drawn last, so that the examples stored
+    # before it (whose data ends earlier, read as zeros) decode as they did: 0 adds nothing.
+    if draw(st.integers(0, 3)) == 3:
+        nan = Buf("nan0", "nan", draw(st.sampled_from([(40,), (130,)])))
+        buffers.append(nan)
+        learn += (False,)
+        check = _Gen(draw, [nan], with_score=False).bool(draw(st.integers(1, 2)))
+        if score is not None and draw(st.booleans()):
+            score = node("where", check, score, draw(st.sampled_from(FLOAT_CONSTS)), bound=score.bound)
+        else:
+            mask = check if mask is None else node("and", mask, check, kind="bool", bound=1)
     return Example(
         score=score, mask=mask, buffers=tuple(buffers), learn=learn,
         B=draw(st.sampled_from([1, 2])), Hq=Hkv * group, Hkv=Hkv, Lq=Lq, Lkv=draw(st.sampled_from(LKV)),
@@ -600,6 +621,8 @@ def _inputs(ex: Example):
             t = torch.rand(buf.shape, generator=g) < 0.5
         elif buf.kind == "inf":
             t = torch.where(torch.rand(buf.shape, generator=g) < 0.25, -math.inf, 0.0)
+        elif buf.kind == "nan":
+            t = torch.where(torch.rand(buf.shape, generator=g) < 0.25, math.nan, torch.randn(buf.shape, generator=g))
         else:
             t = torch.randn(buf.shape, generator=g).to(buf.dtype)
         t = t.to(DEVICE)
