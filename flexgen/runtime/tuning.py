@@ -78,7 +78,7 @@ TUNED: dict = {
     # soft-cap 6.9%, window 7.7%; 16 x 1k causal 2.5% slower. fp16 measured alike.
     ("forward", "H100", "bfloat16", 64): dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2),
     # Except for a mask_mod reading captured tensors (document ids): at 64 x 128 with 4 warps
-    # Triton's layout pass (3.6) moves the score tile out of the MMA layout and runs the softmax
+    # Triton's layout pass (3.6 and 3.9) moves the score tile out of the MMA layout and runs the softmax
     # twice, once per layout (648 shuffles and 296 spilled stores in the sm_90 SASS): 6x slower
     # (8 x 2k documents 1.89 against 0.31 ms). And a score_mod taken as key and row terms (ALiBi):
     # 0.415 against 0.370 ms with two stages. Both keep the H100's row.
