@@ -18,6 +18,7 @@ import torch
 import flexgen
 import flexgen.runtime.plan
 from flexgen import create_block_mask, flex_attention, sigmoid_attention
+from flexgen.codegen import cache
 from flexgen.frontend.bounds_check import IndexBoundsError, proven_loads
 from flexgen.frontend.trace import trace
 from flexgen.reference import flex_attention_reference, sigmoid_attention_reference
@@ -150,7 +151,10 @@ def test_proven_loads_read_without_checks_at_clamped_positions():
     src = flexgen.kernel_source(q, k, v, score_mod=rel_bias(table, 130), block_mask=bm,
                                 kernel_options=TILES)
     assert "q_idx_clamped = tl.minimum(offs_m, Q_LEN - 1)[:, None]" in src
-    assert "kv_idx_clamped = tl.minimum(offs_n, KV_LEN - 1)[None, :]" in src
+    # A kv tile's positions are clamped unless the keys are a multiple of the sparse blocks
+    # (EVEN_KV: no tile holds a padded key), where a load of consecutive keys stays contiguous.
+    assert ("        if EVEN_KV:\n            kv_idx_clamped = offs_n[None, :]\n        else:\n"
+            "            kv_idx_clamped = tl.minimum(offs_n, KV_LEN - 1)[None, :]") in src
     loads = [line.strip() for line in src.splitlines() if "tl.load(sbuf" in line or "tl.load(mbuf" in line]
     assert loads and all("mask=" not in line and "_clamped" in line for line in loads), loads
     assert "sbuf0_ptr + (h.to(tl.int64) * sbuf0_stride0) + ((130 + q_idx_clamped - kv_idx_clamped)" in src
@@ -164,6 +168,8 @@ CASES = {
     "rel2d_causal_odd": (1, 2, 2, 131, 67, "2d", "causal"),
     "rel1d_document": (2, 2, 1, 100, 100, "1d", "doc"),
     "rel2d_short": (1, 2, 2, 1, 37, "2d", None),
+    # lengths that are multiples of the blocks (on the CPU's): positions read unclamped
+    "rel1d_document_even": (2, 2, 1, 128, 96, "1d", "doc"),
 }
 
 
@@ -283,6 +289,11 @@ def _varlen_case(q, k, v, q_lens, k_lens, size, proven_here, device):
     plan = flexgen.runtime.plan.plan_varlen(q, k, v, cu_q, cu_k, traced.graph, traced.buffers,
                                             "", (), 0.25, True, "")
     assert len(plan.base.proven[0]) == (2 if proven_here else 1)       # per_seq[b] always
+    # A cut tile's keys run on past its sequence (past the last one's end of the packed tensor):
+    # varlen's proven reads are always clamped, EVEN_KV or not.
+    source = cache.source(plan.spec)
+    assert ("kv_idx_clamped = tl.minimum(offs_n, KV_LEN - 1)[None, :]" in source) == proven_here
+    assert "if EVEN_KV:\n            kv_idx_clamped" not in source
     out = flexgen.varlen_attention(q, k, v, cu_q, cu_k, Lq, Lk, score_mod=biased(table, per_seq),
                                    mask_mod=causal, enable_gqa=True,
                                    kernel_options={"BLOCK_M": 16, "BLOCK_N": 16} if device == "cpu" else None)

@@ -55,9 +55,9 @@ from .snippet import Snippet
 # 15: its diagonal sums rotate the tile in a layout of one thread per column (ROTATE_LAYOUT),
 # while dQ's product runs.)
 SIGMOID_REVISION = 4
-TEMPLATE_VERSIONS = {"forward": 13, "forward_gluon": 13, "backward_gluon": 15, "backward_delta": 2, "block_mask": 5,
+TEMPLATE_VERSIONS = {"forward": 14, "forward_gluon": 14, "backward_gluon": 16, "backward_delta": 2, "block_mask": 5,
                      "block_lists": 2, "decode": 5, "decode_merge": 2, "paged_write": 3,
-                     "backward": 13, "linear": 5, "linear_decode": 2}
+                     "backward": 14, "linear": 5, "linear_decode": 2}
 
 
 def pad_head_dim(d: int) -> int:
