@@ -390,6 +390,43 @@ def test_auto_fuses_soft_capping_and_plain_rows_at_head_dim_128(as_if_hopper, mo
     assert backward_plan(*small, M.tanh_softcap(30.0), options={"BACKEND": "tl"})[1].gluon_fused is None
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_auto_follows_the_mods_loads_of_captured_tensors(as_if_hopper, monkeypatch, D):
+    """Where the mods read captured tensors per element, AUTO fuses a score_mod adding a tensor
+    read at the positions (a per-key bias: the two kernels would load it twice), from 3.5 waves,
+    and at head dim 128 takes the Gluon dK/dV kernel at 64 query rows over the tl one for the
+    rest (a document mask); neither for a tensor read per head, a tile of both positions, or
+    plain rows left to the two kernels."""
+    monkeypatch.setattr(plan_module, "GLUON_FUSED", None)
+    q, k, v = make_qkv(B=1, H=64, L=4096, D=D, dtype=torch.bfloat16)
+    causal = create_block_mask(M.causal_mask, None, None, 4096, 4096, device="cpu")
+    documents = create_block_mask(doc_mask(4096), None, None, 4096, 4096, device="cpu")
+    per_key, per_head = torch.randn(8192), torch.randn(64)
+
+    def key_bias(score, b, h, q_idx, kv_idx):
+        return score + per_key[kv_idx]
+
+    def head_bias(score, b, h, q_idx, kv_idx):
+        return score + per_head[h]
+
+    assert backward_plan(q, k, v, key_bias, causal, options=None)[1].gluon_fused is not None
+    assert backward_plan(q, k, v, head_bias, causal, options=None)[1].gluon_fused is None
+    assert backward_plan(q, k, v, key_bias, documents, options=None)[1].gluon_fused is None
+    few = make_qkv(B=1, H=32, Hkv=4, L=8192, D=D, dtype=torch.bfloat16)     # 1.9 waves
+    causal8k = create_block_mask(M.causal_mask, None, None, 8192, 8192, device="cpu")
+    assert backward_plan(*few, key_bias, causal8k, options=None)[1].gluon_fused is None
+    if D == 128:
+        for score in (None, key_bias):
+            gluon = backward_plan(q, k, v, score, documents, options=None)[1].gluon_dkdv
+            assert gluon is not None and gluon.block_m == 64
+        assert backward_plan(q, k, v, relative_bias(64, 4096, 4096), documents, options=None)[1].gluon_dkdv is None
+        torch.use_deterministic_algorithms(True)
+        try:        # (plain rows, not fused: the tl kernel)
+            assert backward_plan(q, k, v, None, causal, options=None)[1].gluon_dkdv is None
+        finally:
+            torch.use_deterministic_algorithms(False)
+
+
 def test_kernel_source_shows_the_fused_kernel(as_if_hopper, monkeypatch):
     """kernel_source(part="fused") is the fused kernel's module where the plan takes it (at head
     dim 64: its warpgroups share the dSᵀ tile), and a clear refusal where it does not, or for

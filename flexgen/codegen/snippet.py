@@ -48,6 +48,13 @@ class Snippet:
         return cls(tuple(r["lines"]), r["result"], r["kind"], None if r["free"] is None else tuple(r["free"]))
 
     @property
+    def positions(self) -> tuple:
+        """The positions (``q_idx``, ``kv_idx``) the statements and the result read, also inside
+        a load's index (``free`` names the result's only: a loaded value stands for its index)."""
+        text = "\n".join(self.lines + (self.result,))
+        return tuple(name for name in ("q_idx", "kv_idx") if re.search(rf"\b{name}(_clamped)?\b", text))
+
+    @property
     def clamped(self) -> tuple:
         """The clamped positions (``q_idx_clamped``, ``kv_idx_clamped``) the statements read:
         loads proven in bounds read at them (``flexgen.codegen.printer``), and a template

@@ -600,8 +600,13 @@ def plan_backward(plan: AttentionPlan, query, key, value, grad_slots: tuple):
         if opts.BACKEND == "gluon" or (opts.BACKEND == "AUTO" and not opts.sets_tiles
                                        and plan.B * plan.Hq * plan.Lq * plan.Lkv >= GLUON_BACKWARD_MIN_SCORES):
             gluon, _ = gluon_backward_spec(plan, query, key, value, bw.dkdv)
-            if opts.BACKEND == "AUTO" and gluon is not None and gluon.block_m < 128:
-                gluon = None        # (where it ties the tl kernel, AUTO keeps the tl kernel)
+            # At 64 query rows it ties the tl kernel (H100, plain rows): AUTO keeps the tl kernel,
+            # but where the mods read captured tensors per element (H200, 16 x 16k and 4 x 4k at
+            # head dim 128: documents -4.3% / -3.9%, documents + causal -2.7% / -4.7%, a per-key
+            # bias -3.2% / -4.5%).
+            if opts.BACKEND == "AUTO" and gluon is not None and gluon.block_m < 128 and not (
+                    _loads_per_element(bw.dkdv) and (bw.dkdv.score is None or len(bw.dkdv.score.positions) < 2)):
+                gluon = None
             gluon_dq, _ = gluon_backward_spec(plan, query, key, value, bw.dq)
             # AUTO at head dim 64: ahead under a block mask wider than a narrow band, at 128 keys.
             if opts.BACKEND == "AUTO" and (
@@ -633,8 +638,29 @@ def _fuses(bw, deterministic: bool, waves: float) -> bool:
     # (A score_mod taken as key and row terms adds no per-element work: as plain rows.)
     if (spec.score is None or spec.score_terms is not None) and spec.qk_head == 128 and not spec.mask_buffers:
         return waves >= GLUON_FUSED_MIN_WAVES
-    return spec.score is not None and not spec.score_grad_const and not (
-        spec.score.free is None or {"q_idx", "kv_idx"} <= set(spec.score.free))
+    if spec.score is None or _tile_of_both_positions(spec):
+        return False
+    if not spec.score_grad_const:
+        return True
+    # A score_mod reading a captured tensor per element at one position (a per-key bias): the
+    # fused kernel loads it once per tile pair, the two kernels twice (H200, score + bias[b,
+    # kv_idx] under a causal mask, 16 x 16k and 4 x 4k: -9.1% / -9.5% at head dim 128, -7.0% /
+    # -4.7% at 64; a document mask's loads, on partial tiles only, did not pay for it).
+    if _loads_per_element(spec) and len(spec.score.positions) == 1 and not spec.mask_buffers:
+        return waves >= GLUON_FUSED_MIN_WAVES
+    return False
+
+
+def _loads_per_element(spec) -> bool:
+    """Whether a backward spec's mods read captured tensors per element: a mask_mod's (on the
+    partial tiles), a score_mod's not taken as key and row terms."""
+    return bool(spec.mask_buffers) or (spec.score_terms is None and bool(spec.score_buffers))
+
+
+def _tile_of_both_positions(spec) -> bool:
+    """Whether a spec's score_mod computes a tile of both positions (or may: its free names
+    unknown), which spills in the Gluon dK/dV kernels."""
+    return spec.score is not None and (spec.score.free is None or {"q_idx", "kv_idx"} <= set(spec.score.free))
 
 
 # An sm_90 program's shared memory, less what the compiler reserves (barriers, scratch).
