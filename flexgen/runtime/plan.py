@@ -603,7 +603,8 @@ def plan_backward(plan: AttentionPlan, query, key, value, grad_slots: tuple):
             # At 64 query rows it ties the tl kernel (H100, plain rows): AUTO keeps the tl kernel,
             # but where the mods read captured tensors per element (H200, 16 x 16k and 4 x 4k at
             # head dim 128: documents -4.3% / -3.9%, documents + causal -2.7% / -4.7%, a per-key
-            # bias -3.2% / -4.5%).
+            # bias -3.2% / -4.5%) and the score_mod reads at one position or none (a relative
+            # bias's table, read at both: not measured).
             if opts.BACKEND == "AUTO" and gluon is not None and gluon.block_m < 128 and not (
                     _loads_per_element(bw.dkdv) and (bw.dkdv.score is None or len(bw.dkdv.score.positions) < 2)):
                 gluon = None
@@ -659,7 +660,8 @@ def _loads_per_element(spec) -> bool:
 
 def _tile_of_both_positions(spec) -> bool:
     """Whether a spec's score_mod computes a tile of both positions (or may: its free names
-    unknown), which spills in the Gluon dK/dV kernels."""
+    unknown), which spills in the fused kernel (ALiBi-like arithmetic; a table read at both,
+    ``Snippet.positions``, is a load, not such a tile)."""
     return spec.score is not None and (spec.score.free is None or {"q_idx", "kv_idx"} <= set(spec.score.free))
 
 
