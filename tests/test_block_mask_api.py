@@ -201,6 +201,31 @@ def test_from_kv_blocks_errors():
         BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=100)
 
 
+def test_from_kv_blocks_refuses_blocks_past_the_keys():
+    """The kernels trust the entries each row counts (at lengths that are multiples of the
+    blocks they read keys and the mods' captured tensors without bounds checks): an entry
+    naming a block past the keys, or a count past a row's entries, is refused; the padding
+    after a row's count is never read, whatever it holds."""
+    num = torch.tensor([[[2, 1]]], dtype=torch.int32)
+    idx = torch.tensor([[[[0, 2, 99], [1, -5, 7]]]], dtype=torch.int32)
+    assert BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=16).seq_lengths == (32, 48)
+    with pytest.raises(InputError, match=r"kv_indices: expected blocks 0 \.\. 1 among each row's first "
+                                         r"kv_num_blocks entries"):
+        BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=16, seq_lengths=(32, 20))
+    with pytest.raises(InputError, match=r"kv_indices: expected blocks 0 \.\. 2"):
+        BlockMask.from_kv_blocks(num, torch.tensor([[[[0, 3, 1], [1, 0, 0]]]], dtype=torch.int32),
+                                 BLOCK_SIZE=16)
+    with pytest.raises(InputError, match="kv_num_blocks: expected counts from 0 to the rows' 3 entries"):
+        BlockMask.from_kv_blocks(torch.tensor([[[4, 1]]], dtype=torch.int32), idx, BLOCK_SIZE=16)
+    with pytest.raises(InputError, match=r"full_kv_indices: expected blocks 0 \.\. 2"):
+        BlockMask.from_kv_blocks(num, idx, num, torch.tensor([[[[0, -1, 0], [2, 0, 0]]]], dtype=torch.int32),
+                                 BLOCK_SIZE=16)
+    # A mask's own slices and crops are not checked again (no device sync: the decode step's
+    # slice runs inside a captured CUDA graph).
+    mask = BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=16)
+    assert mask[:, :, 1].kv_num_blocks.tolist() == [[[1]]] and mask._adjust(16, 16).seq_lengths == (16, 16)
+
+
 # ---------------------------------------------------------------------------------- indexing
 
 INDICES = [0, -1, (1, 2), (slice(None), slice(None), 2), (slice(0, 2), slice(1, 3)),

@@ -77,6 +77,18 @@ class BlockMask:
         """
         torch_compat.check_lists(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
         q_block, kv_block = _check_block_size(BLOCK_SIZE)
+        kv_len = kv_indices.shape[-1] * kv_block if seq_lengths is None else seq_lengths[1]
+        torch_compat.check_list_values((kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices),
+                                       -(-kv_len // kv_block))
+        return cls._from_lists(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                               (q_block, kv_block), mask_mod, seq_lengths, compute_q_blocks)
+
+    @classmethod
+    def _from_lists(cls, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, block_size,
+                    mask_mod, seq_lengths, compute_q_blocks) -> "BlockMask":
+        """``from_kv_blocks`` on lists already checked (sliced or cropped from a mask's own, or
+        built here): no device sync, so the decode pattern's slice can run in a captured step."""
+        q_block, kv_block = block_size
         kv_num_blocks, kv_indices = kv_num_blocks.to(torch.int32), kv_indices.to(torch.int32)
         if full_kv_num_blocks is None:
             full_kv_num_blocks, full_kv_indices = torch_compat.empty_lists(kv_num_blocks, kv_indices)
@@ -141,10 +153,8 @@ class BlockMask:
         """
         index = torch_compat.list_index(index, self.kv_num_blocks.shape)
         lists = [getattr(self, n)[index] for n in LIST_NAMES[:4]]
-        return BlockMask.from_kv_blocks(*lists, BLOCK_SIZE=self.BLOCK_SIZE,
-                                        mask_mod=torch_compat.sliced_mask_mod,
-                                        seq_lengths=self.seq_lengths,
-                                        compute_q_blocks=self.q_indices is not None)
+        return BlockMask._from_lists(*lists, self.BLOCK_SIZE, torch_compat.sliced_mask_mod,
+                                     self.seq_lengths, self.q_indices is not None)
 
     def _adjust(self, new_q_len: int, new_kv_len: int) -> "BlockMask":
         """The mask cropped to its upper-left ``new_q_len x new_kv_len`` corner (torch's
@@ -162,9 +172,8 @@ class BlockMask:
         rows, cols = -(-new_q_len // q_block), -(-new_kv_len // kv_block)
         kv = torch_compat.cropped(self.kv_num_blocks, self.kv_indices, rows, cols)
         full = torch_compat.cropped(self.full_kv_num_blocks, self.full_kv_indices, rows, cols)
-        return BlockMask.from_kv_blocks(*kv, *full, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod,
-                                        seq_lengths=(new_q_len, new_kv_len),
-                                        compute_q_blocks=self.q_indices is not None)
+        return BlockMask._from_lists(*kv, *full, self.BLOCK_SIZE, self.mask_mod, (new_q_len, new_kv_len),
+                                     self.q_indices is not None)
 
     def to_dense(self) -> torch.Tensor:
         """int32 ``[B, H, NQ, NKV]``: 1 where a block is computed (partial or full), else 0."""
@@ -296,8 +305,8 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     mask = BlockMask(*lists, (q_block, kv_block), mask_mod, (Q_LEN, KV_LEN))
     if not separate_full_blocks:
         # Every visited block partial, as torch lists them; O(blocks) more work.
-        return BlockMask.from_kv_blocks(*torch_compat.ordered(mask.to_dense()), BLOCK_SIZE=mask.BLOCK_SIZE,
-                                        mask_mod=mask_mod, seq_lengths=mask.seq_lengths)
+        return BlockMask._from_lists(*torch_compat.ordered(mask.to_dense()), None, None, mask.BLOCK_SIZE,
+                                     mask_mod, mask.seq_lengths, True)
     return mask
 
 

@@ -135,6 +135,40 @@ def check_lists(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) 
                                 list(full_kv_indices.shape), "build both lists over the same blocks"))
 
 
+def check_list_values(lists: tuple, kv_blocks: int) -> None:
+    """A caller's kv lists (``from_kv_blocks``: kv_num_blocks, kv_indices, full_kv_num_blocks,
+    full_kv_indices) count at most a row's entries and name, among each row's first count
+    entries, blocks in [0, kv_blocks): the kernels trust both (where the lengths are multiples
+    of the blocks they read keys, and the captured tensors the mods index by key, without a
+    bounds check), and a block past the keys would read past them. The padding after a row's
+    count is not read. One device sync, at the mask's construction; not while tracing or
+    capturing a CUDA graph, whose tensors have no values to read."""
+    tensors = [t for t in lists if t is not None]
+    if (torch.compiler.is_compiling() or any(type(t) is not torch.Tensor for t in tensors)
+            or (tensors[0].is_cuda and torch.cuda.is_current_stream_capturing())):
+        return
+    checks = []
+    for num, idx in zip(lists[0::2], lists[1::2]):
+        if num is None:
+            continue
+        used = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
+        outside = used & ((idx < 0) | (idx >= kv_blocks))
+        checks.append(torch.stack([(num < 0).any() | (num > idx.shape[-1]).any(), outside.any()]))
+    if not checks:
+        return
+    for (counts_bad, entries_bad), (num_name, idx_name) in zip(
+            torch.stack(checks).tolist(), (("kv_num_blocks", "kv_indices"),
+                                           ("full_kv_num_blocks", "full_kv_indices"))):
+        if counts_bad:
+            raise reported(expected(num_name, f"counts from 0 to the rows' {lists[1].shape[-1]} entries",
+                                    "a count outside that range", f"count the blocks listed in {idx_name}"))
+        if entries_bad:
+            raise reported(expected(idx_name, f"blocks 0 .. {kv_blocks - 1} among each row's first "
+                                    f"{num_name} entries (KV_LEN / KV_BLOCK, rounded up)",
+                                    "a block outside that range",
+                                    "list only blocks of the keys, or give seq_lengths covering them"))
+
+
 # ---------------------------------------------------------------------------------- indexing
 
 def list_index(index, sizes) -> tuple:
