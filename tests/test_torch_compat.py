@@ -408,6 +408,34 @@ def test_nan_checks_on_captured_tensors():
     assert lower(trace(lambda b, h, q_idx, kv_idx: q_idx == q_idx, "mask_mod")).is_true
 
 
+def test_float_comparisons_whose_difference_cancels_are_kept_as_written():
+    """``x + 1 > x`` and ``2 * x > x`` compare as torch compares them: as a canonical difference
+    sympy would decide them (1 > 0, x > 0), which an infinite entry (inf - inf is NaN) and a
+    large one (x + 1 rounds to x in float32) contradict, silently. They stay comparisons of
+    the two sides (expr.FloatCompare), in masks and on a score_mod's path, forward and backward."""
+    bias = torch.randn(48)
+    bias[[3, 20]] = float("inf")
+    bias[7] = float("-inf")
+    bias[11] = 3e7
+
+    def above(b, h, q_idx, kv_idx):
+        return (bias[kv_idx] + 1 > bias[kv_idx]) | (kv_idx == q_idx)
+
+    def doubled(score, b, h, q_idx, kv_idx):
+        return torch.where(bias[kv_idx] * 2 <= bias[kv_idx], score - 1.0, score)
+
+    q, k, v = make_qkv(L=48, D=16)
+    run(q, k, v, None, above)
+    run(q, k, v, doubled)
+    from flexgen.frontend.lowering import lower
+    from flexgen.frontend.trace import trace
+    assert "FloatCompare" in lower(trace(above, "mask_mod")).canonical
+    # Integers still cancel (exact), and a float difference that loses no term is canonical.
+    assert lower(trace(lambda b, h, q_idx, kv_idx: q_idx + 1 > q_idx, "mask_mod")).is_true
+    assert "FloatCompare" not in lower(trace(lambda b, h, q_idx, kv_idx: bias[q_idx] > bias[kv_idx],
+                                             "mask_mod")).canonical
+
+
 # --- what cannot become a kernel: clear errors -------------------------------------------------
 
 @torch.library.custom_op("flexgen_compat_test::fast_tanh", mutates_args=())

@@ -380,6 +380,11 @@ class TritonPrinter:
         x, _ = self.temp(self.as_float(e.args[0]), "float")
         return f"({x} != {x})", "bool"
 
+    def _print_FloatCompare(self, e):
+        # The comparison as the mod wrote it (expr.FloatCompare: its difference would cancel).
+        op, a, b = e.args
+        return f"({self.as_float(a)} {type(e).OPS[int(op)]} {self.as_float(b)})", "bool"
+
     def _print_Equivalent(self, e):
         a, b = e.args
         return f"({self.as_bool(a)} == {self.as_bool(b)})", "bool"

@@ -332,7 +332,11 @@ def _numpy_function(expr, symbols: tuple):
         x = np.asarray(x, dtype=np.float64)
         return np.where(np.isnan(x), 0.0, np.clip(np.trunc(x), -2.0 ** 31, 2.0 ** 31 - 1))
 
-    return sympy.lambdify(symbols, expr, modules=[{"Trunc": trunc, "IsNan": np.isnan}, "numpy"])
+    def float_compare(op, a, b):
+        return (np.greater_equal, np.greater, np.equal, np.not_equal)[int(op)](a, b)
+
+    return sympy.lambdify(symbols, expr, modules=[{"Trunc": trunc, "IsNan": np.isnan,
+                                                   "FloatCompare": float_compare}, "numpy"])
 
 
 # Positions the check evaluates an index at, one by one, at most (a numpy array of float64).

@@ -10,7 +10,8 @@ Conventions of the canonical form:
 - numbers are exact (a Python float becomes the Rational of its binary value);
 - every comparison is ``d >= 0``, ``d > 0`` (float d only), ``d == 0`` or
   ``d != 0`` with ``d`` sign-normalised, except a float compared with itself, which is
-  ``IsNan`` (``x != x``) or its negation, and comparisons with an infinity;
+  ``IsNan`` (``x != x``) or its negation, comparisons with an infinity, and float
+  comparisons whose difference would cancel a term (``FloatCompare``, kept as written);
 - a captured tensor is an undefined function ``{prefix}buf{slot}(indices...)``
   whose assumptions say whether it holds integers (bool buffers load as 0/1
   integers and are compared with 0).
@@ -104,6 +105,27 @@ class IsNan(sympy.logic.boolalg.BooleanFunction):
         return None
 
 
+class FloatCompare(sympy.logic.boolalg.BooleanFunction):
+    """``a op b`` on floats, kept as written (``op``: 0 ``>=``, 1 ``>``, 2 ``==``, 3 ``!=``),
+    where the canonical difference would cancel a term of one side against the other: sympy
+    takes ``x + 1 - x`` as 1 and ``2 x - x`` as x, exact arithmetic's answers, which IEEE floats
+    need not give (an infinite entry of a captured tensor makes x - x NaN, so torch finds
+    ``x + 1 > x`` false there; a large one rounds x + 1 to x). The kernel then evaluates the
+    comparison as torch does."""
+    OPS = (">=", ">", "==", "!=")
+
+    @classmethod
+    def eval(cls, op, a, b):
+        return None
+
+
+def _cancels(a, b) -> bool:
+    """Whether ``a - b`` loses a non-constant term of ``a`` or of ``b`` (sympy combines them)."""
+    def terms(e):
+        return sum(1 for t in sympy.Add.make_args(e) if not t.is_number)
+    return terms(a - b) < terms(a) + terms(b)
+
+
 def _bitwise(name, op):
     def eval(cls, *args):
         if all(a.is_Integer for a in args):
@@ -192,6 +214,10 @@ def relation(op: str, a, b):
         # IEEE: x == x, x >= x and x <= x hold unless x is NaN; x > x and x < x never do.
         nan = IsNan(_as_number(a))
         return {"ne": nan, "gt": sympy.false, "lt": sympy.false}.get(op, sympy.Not(nan))
+    if not _linear_ok(a, b) and _cancels(_as_number(a), _as_number(b)):
+        if op in ("le", "lt"):
+            a, b, op = b, a, {"le": "ge", "lt": "gt"}[op]
+        return FloatCompare(sympy.Integer(("ge", "gt", "eq", "ne").index(op)), _as_number(a), _as_number(b))
     d = sympy.expand(_as_number(a) - _as_number(b)) if _linear_ok(a, b) else _as_number(a) - _as_number(b)
     if op in ("le", "lt"):
         d, op = -d, {"le": "ge", "lt": "gt"}[op]
