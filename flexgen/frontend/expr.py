@@ -214,11 +214,12 @@ def relation(op: str, a, b):
         # IEEE: x == x, x >= x and x <= x hold unless x is NaN; x > x and x < x never do.
         nan = IsNan(_as_number(a))
         return {"ne": nan, "gt": sympy.false, "lt": sympy.false}.get(op, sympy.Not(nan))
-    if not _linear_ok(a, b) and _cancels(_as_number(a), _as_number(b)):
+    linear, a, b = _linear_ok(a, b), _as_number(a), _as_number(b)
+    if not linear and _cancels(a, b):
         if op in ("le", "lt"):
             a, b, op = b, a, {"le": "ge", "lt": "gt"}[op]
-        return FloatCompare(sympy.Integer(("ge", "gt", "eq", "ne").index(op)), _as_number(a), _as_number(b))
-    d = sympy.expand(_as_number(a) - _as_number(b)) if _linear_ok(a, b) else _as_number(a) - _as_number(b)
+        return FloatCompare(sympy.Integer(("ge", "gt", "eq", "ne").index(op)), a, b)
+    d = sympy.expand(a - b) if linear else a - b
     if op in ("le", "lt"):
         d, op = -d, {"le": "ge", "lt": "gt"}[op]
     if op in ("eq", "ne") and d.could_extract_minus_sign():

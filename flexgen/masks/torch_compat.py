@@ -154,8 +154,6 @@ def check_list_values(lists: tuple, kv_blocks: int) -> None:
         used = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
         outside = used & ((idx < 0) | (idx >= kv_blocks))
         checks.append(torch.stack([(num < 0).any() | (num > idx.shape[-1]).any(), outside.any()]))
-    if not checks:
-        return
     for (counts_bad, entries_bad), (num_name, idx_name) in zip(
             torch.stack(checks).tolist(), (("kv_num_blocks", "kv_indices"),
                                            ("full_kv_num_blocks", "full_kv_indices"))):
