@@ -606,7 +606,7 @@ def plan_backward(plan: AttentionPlan, query, key, value, grad_slots: tuple):
             # bias -3.2% / -4.5%) and the score_mod reads at one position or none (a relative
             # bias's table, read at both: not measured).
             if opts.BACKEND == "AUTO" and gluon is not None and gluon.block_m < 128 and not (
-                    _loads_per_element(bw.dkdv) and (bw.dkdv.score is None or len(bw.dkdv.score.positions) < 2)):
+                    _loads_per_element(bw.dkdv) and _score_positions(bw.dkdv) < 2):
                 gluon = None
             gluon_dq, _ = gluon_backward_spec(plan, query, key, value, bw.dq)
             # AUTO at head dim 64: ahead under a block mask wider than a narrow band, at 128 keys.
@@ -647,7 +647,7 @@ def _fuses(bw, deterministic: bool, waves: float) -> bool:
     # fused kernel loads it once per tile pair, the two kernels twice (H200, score + bias[b,
     # kv_idx] under a causal mask, 16 x 16k and 4 x 4k: -9.1% / -9.5% at head dim 128, -7.0% /
     # -4.7% at 64; a document mask's loads, on partial tiles only, did not pay for it).
-    if _loads_per_element(spec) and len(spec.score.positions) == 1 and not spec.mask_buffers:
+    if _loads_per_element(spec) and _score_positions(spec) == 1 and not spec.mask_buffers:
         return waves >= GLUON_FUSED_MIN_WAVES
     return False
 
@@ -656,6 +656,12 @@ def _loads_per_element(spec) -> bool:
     """Whether a backward spec's mods read captured tensors per element: a mask_mod's (on the
     partial tiles), a score_mod's not taken as key and row terms."""
     return bool(spec.mask_buffers) or (spec.score_terms is None and bool(spec.score_buffers))
+
+
+def _score_positions(spec) -> int:
+    """How many of q_idx and kv_idx a spec's score_mod reads, inside load indices too
+    (``Snippet.positions``); 0 without a score_mod."""
+    return 0 if spec.score is None else len(spec.score.positions)
 
 
 def _tile_of_both_positions(spec) -> bool:
