@@ -463,6 +463,48 @@ def test_deterministic_mode_is_bitwise_reproducible_on_gpu(deterministic):
         print(f"fast path: {sum(same)}/{len(same)} repeated runs bitwise equal")
 
 
+def test_a_backward_call_keys_its_kernels_replays_once(monkeypatch):
+    """A backward call's two or three kernels share one entry of the plan's replays (its key
+    taken once) and one signature of the call's tensors (taken at the first replay); a call
+    like it replays each kernel by name, one whose tensors Triton would specialize otherwise
+    (another dtype) launches anew. Fake launches stand in for the GPU's."""
+    from types import SimpleNamespace
+    from flexgen.kernels import backward as kernels
+    from flexgen.runtime import launch
+    launched, replayed, signatures = [], [], []
+
+    class FakeReplay:
+        def __init__(self, fresh):
+            self.signature = launch.fresh_signature(fresh)
+
+        def launch(self, *tensors):
+            replayed.append(tensors)
+            return True
+
+    def fake_run(spec, device, inputs, tune_blocks=None, replay=(), origins=()):
+        launched.append(spec.kernel_name)
+        return FakeReplay(replay)
+    monkeypatch.setattr(launch, "run", fake_run)
+    plan = SimpleNamespace(replays={})
+    lists = tuple(torch.zeros(1, 1, 2, dtype=torch.int32) for _ in range(8))
+    specs = [SimpleNamespace(kernel_name=name) for name in ("dq", "dkdv")]
+
+    def call(dtype=torch.float32):
+        fresh = tuple(torch.randn(1, 2, 8, 4, dtype=dtype) for _ in range(3)) + (None,)
+        run = kernels._Launcher(plan, fresh, (), (), lists, None)
+        for spec in specs:
+            run(spec, dict)
+        return fresh
+    call()
+    assert launched == ["dq", "dkdv"] and len(plan.replays) == 1
+    real = launch.fresh_signature
+    monkeypatch.setattr(launch, "fresh_signature", lambda t: signatures.append(t) or real(t))
+    fresh = call()
+    assert launched == ["dq", "dkdv"] and replayed == [fresh, fresh] and len(signatures) == 1
+    call(torch.float16)
+    assert launched == ["dq", "dkdv"] * 2 and len(replayed) == 2 and len(plan.replays) == 1
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("use_tma", [False, True])
 def test_replayed_backward_launches_match_fresh_ones_on_gpu(use_tma, monkeypatch):

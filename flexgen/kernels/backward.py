@@ -56,10 +56,10 @@ from triton.compiler.errors import CompilationError
 from ..codegen.spec import KernelSpec, kernel_spec, pad_head_dim, tma_addressable
 from ..errors import expected
 from ..frontend.lowering import lower
-from ..runtime import launch
+from ..runtime import launch, tuning
 from ..runtime.checks import DTYPES
 from ..runtime.poison import poison
-from .forward import remember, replay, replay_key
+from .forward import remember, replay_key
 
 
 @dataclass(frozen=True)
@@ -258,23 +258,37 @@ class _Launcher:
     """Launches a backward kernel, or replays its launch of an earlier call like this one
     (``launch.Replay``): the same plan, kernel and bias, tensors laid out alike, and the
     captured tensors and block lists at the same addresses (``forward.replay_key``). The
-    call's own tensors (``fresh``: inputs, outputs, gradient accumulators) are swapped in;
-    the replays are kept in the plan beside the forward's."""
+    call's own tensors (``fresh``: inputs, outputs, gradient accumulators) are swapped in.
+    The replays are kept in the plan beside the forward's, one entry per such call holding its
+    kernels' replays by name: a call launches two or three kernels, and its key (some twenty
+    tensors' addresses, shapes and strides) and its tensors' signature are taken once for all
+    of them, not once per kernel."""
 
     def __init__(self, plan, fresh, score_buffers, mask_buffers, block_lists, bias):
         self.plan, self.fresh = plan, fresh
         self.origins = (*score_buffers, *mask_buffers, *block_lists)
-        self.key = (replay_key(score_buffers, mask_buffers, block_lists, bias),
+        # (A backward's key starts with a name: a forward's (replay_key) never does.)
+        self.key = ("backward", replay_key(score_buffers, mask_buffers, block_lists, bias),
                     tuple(None if t is None else (t.shape, t.stride()) for t in fresh))
+        self.replays = plan.replays.get(self.key)        # kernel name -> Replay, or None
+        self.signature = None                            # the fresh tensors', once needed
 
     def __call__(self, spec, make_inputs, tune_blocks=None) -> None:
         """Replay ``spec``'s launch, or launch it with ``make_inputs()``."""
-        key = (spec.kernel_name, *self.key)
-        if not replay(self.plan, key, self.fresh):
-            inputs = make_inputs()
-            launched = launch.run(spec, self.fresh[0].device, inputs, tune_blocks=tune_blocks,
-                                  replay=self.fresh, origins=self.origins)
-            remember(self.plan, key, launched)
+        found = None if self.replays is None else self.replays.get(spec.kernel_name)
+        if found is not None and not tuning.needs_lookup():
+            if self.signature is None:
+                self.signature = launch.fresh_signature(self.fresh)
+            if found.signature == self.signature and found.launch(*self.fresh):
+                return
+        inputs = make_inputs()
+        launched = launch.run(spec, self.fresh[0].device, inputs, tune_blocks=tune_blocks,
+                              replay=self.fresh, origins=self.origins)
+        if launched is not None:
+            if self.replays is None:
+                self.replays = {}
+                remember(self.plan, self.key, self.replays)
+            self.replays[spec.kernel_name] = launched
 
     def either(self, gluon, tl, make_inputs, tune_blocks) -> None:
         """The Gluon kernel ``gluon`` (or None), else (or where it does not compile) the tl one."""

@@ -107,14 +107,15 @@ def replay_key(score_buffers, mask_buffers, lists, *extra) -> tuple:
 
 def replay(plan, key, fresh) -> bool:
     """Relaunch the plan's launch kept under ``key`` with the call's ``fresh`` tensors (False
-    where there is none, or the Replay declines: then launch as usual). The forward's keys are
-    ``replay_key``s, the backward's start with the kernel's name."""
+    where there is none, or the Replay declines: then launch as usual). ``key``: the forward's
+    ``replay_key`` (the backward keeps its kernels' replays by its own keys: backward._Launcher)."""
     found = plan.replays.get(key)
     return found is not None and not tuning.needs_lookup() and found(*fresh)
 
 
 def remember(plan, key, launched) -> None:
-    """Keep ``launched`` (a Replay or None) for the next call with the same ``key``."""
+    """Keep ``launched`` (a Replay, a backward call's replays by kernel name, or None) for the
+    next call with the same ``key``."""
     if launched is not None:
         if len(plan.replays) >= MAX_REPLAYS:
             plan.replays.clear()

@@ -152,7 +152,7 @@ class Replay:
     def __init__(self, launcher, grid, args, device_index, fresh, origins=()):
         self.launcher, self.device_index = launcher, device_index
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
-        self.signature = _fresh_signature(fresh)
+        self.signature = fresh_signature(fresh)
         slots = {id(t): i for i, t in enumerate(fresh) if t is not None}
         # (argument position, index in fresh, the descriptor to copy or None)
         self.swaps = []
@@ -183,7 +183,7 @@ class Replay:
         self.pack = None if replayer is None else replayer(self.args, self.swaps)
 
     def __call__(self, *tensors) -> bool:
-        return _fresh_signature(tensors) == self.signature and self.launch(*tensors)
+        return fresh_signature(tensors) == self.signature and self.launch(*tensors)
 
     def launch(self, *tensors) -> bool:
         """Launch with ``tensors``, which the caller knows match ``signature`` (the same
@@ -210,7 +210,7 @@ class Replay:
         return True
 
 
-def _fresh_signature(tensors) -> tuple:
+def fresh_signature(tensors) -> tuple:
     """What a replay's new tensors must share with the first ones, in one pass (it runs at every
     replayed launch, ~12 tensors): per tensor, None for None; for a repeat of an earlier one
     (the same object) that one's index; else its dtype and whether its address is 16-byte
