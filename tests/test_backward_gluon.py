@@ -40,7 +40,7 @@ from conftest import make_qkv
 
 # The Gluon forward's tests' switches and mods (as_if_hopper: plan Gluon kernels for CPU tensors).
 from test_forward_gluon import (GLUON, alibi_bias, as_if_hopper, doc_mask, needs_hopper,  # noqa: E402,F401
-                                relative_bias)
+                                relative_bias, uniform)
 
 
 @pytest.fixture(autouse=True)
@@ -252,6 +252,8 @@ CASES = {
     "learned_relbias_document_gqa_d128": (128, torch.bfloat16, 4, 2, 300, 300, "learned_relbias", "doc",
                                           128, {}),
     "causal_d128_m128": (128, torch.bfloat16, 2, 2, 256, 256, None, M.causal_mask, 128, {"BLOCK_M1": 128}),
+    # A constant score_mod (uniform weights over a document; its derivative 0: dQ and dK are 0).
+    "uniform_document_d64": (64, torch.bfloat16, 2, 2, 300, 300, "uniform", "doc", 128, {}),
     # Soft-capping at head dim 128: the fused kernel's warpgroups keep their own dSᵀ rows.
     "softcap_causal_gqa_d128": (128, torch.bfloat16, 4, 2, 300, 300, M.tanh_softcap(20.0), M.causal_mask, 128, {}),
     # A learned relative-position table exactly the size the call needs: proven loads at
@@ -269,6 +271,7 @@ def case_inputs(name, device="cpu"):
     score = {"alibi": lambda: alibi_bias(H, device), "learned": lambda: learned_bias(H, device),
              "relbias": lambda: relative_bias(H, Lq, Lkv, device),
              "learned_relbias": lambda: relative_bias(H, Lq, Lkv, device, learned=True),
+             "uniform": lambda: uniform,
              }.get(score, lambda: score)()
     mask = doc_mask(max(Lq, Lkv), device) if mask == "doc" else mask
     bm = None if mask is None else create_block_mask(mask, None, None, Lq, Lkv, device=device,
@@ -473,9 +476,10 @@ def check_gradients(q, k, v, score=None, bm=None, options=GLUON, learned=(), tol
     ref_leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
     ref = flex_attention_reference(*ref_leaves, score_mod=score, mask_mod=bm, enable_gqa=True,
                                    scale=scale, dtype=torch.float64)
-    want = torch.autograd.grad(ref, ref_leaves + list(learned), dout.double())
+    # (allow_unused: a score_mod that ignores the score leaves the oracle's q and k unused)
+    want = torch.autograd.grad(ref, ref_leaves + list(learned), dout.double(), allow_unused=True)
     for name, g, w in zip(["dq", "dk", "dv"] + [f"buffer{i}" for i in range(len(learned))], got, want):
-        _check(name, g, w, tol)
+        _check(name, g, torch.zeros_like(g, dtype=torch.float64) if w is None else w, tol)
     return got
 
 

@@ -277,11 +277,24 @@ CASES = {
     # Padded head dims: 96 in 128 columns, 40 in 64 (TMA zero-fills the padding, clips the stores).
     "softcap_document_d96": (96, torch.bfloat16, 2, 2, 300, 300, M.tanh_softcap(20.0), "doc", 128),
     "causal_gqa_d40_fp16": (40, torch.float16, 4, 2, 257, 257, None, M.causal_mask, 128),
+    # An integer-valued score_mod (positions only; the Gluon fuzz's find: it did not compile).
+    "integer_score_causal_d64": (64, torch.float16, 2, 2, 300, 300, "integer_score", M.causal_mask, 128),
+    # A constant score_mod (uniform weights over a document): a literal broadcast to the
+    # score tile's layout (the Gluon fuzz's find too).
+    "uniform_document_d128": (128, torch.bfloat16, 2, 2, 300, 300, "uniform", "doc", 128),
 }
 
 
 def row_bias(score, b, h, q_idx, kv_idx):
     return q_idx * 0.01 + h
+
+
+def integer_score(score, b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx) // 64
+
+
+def uniform(score, b, h, q_idx, kv_idx):
+    return torch.zeros_like(score)
 
 
 def first_rows(b, h, q_idx, kv_idx):
@@ -303,6 +316,7 @@ def case_inputs(name, device="cpu"):
     q, k, v = make_qkv(B=2, H=H, Hkv=Hkv, L=Lq, Lkv=Lkv, D=D, dtype=dtype, device=device)
     score = alibi_bias(H, device) if score == "alibi" else row_bias if score == "row_bias" else score
     score = relative_bias(H, Lq, Lkv, device) if score == "relbias" else score
+    score = {"integer_score": integer_score, "uniform": uniform}.get(score, score) if isinstance(score, str) else score
     mask = first_rows if mask == "first_rows" else mask
     mask = doc_mask(max(Lq, Lkv), device) if mask == "doc" else mask
     bm = None if mask is None else create_block_mask(mask, None, None, Lq, Lkv, device=device,

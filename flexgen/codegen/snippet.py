@@ -28,13 +28,16 @@ class Snippet:
         In every template ``score`` is a [rows, cols] tile, ``q_idx`` a column and
         ``kv_idx`` a row, so a value of ``score`` or of both positions is a tile
         already; anything else (``q_idx * 0.1``, ``h``, a constant) is broadcast. A
-        Python literal becomes a tile of its own (``tl.broadcast_to`` takes tensors).
+        Python literal becomes a [1, 1] tile first (``tl.broadcast_to`` takes tensors),
+        not a tile of the full shape: a Gluon kernel's broadcast puts the result in its
+        score tiles' layout, where a full tile of its own takes another one (and then
+        differs in type from the scores of the masked tiles' branch).
         """
         free = self.free
         if free is not None and ("score" in free or ("q_idx" in free and "kv_idx" in free)):
             return self.result
         if literal_value(self.result) is not None:
-            return f"tl.full(({rows}, {cols}), {self.result}, {TL_DTYPES[self.kind]})"
+            return f"tl.broadcast_to(tl.full([1, 1], {self.result}, {TL_DTYPES[self.kind]}), ({rows}, {cols}))"
         return f"tl.broadcast_to({self.result}, ({rows}, {cols}))"
 
     def record(self) -> dict:

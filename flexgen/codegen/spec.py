@@ -54,8 +54,9 @@ from .snippet import Snippet
 # backward_gluon 14: the dQ kernel adds captured tensors' gradients (common.scatter_gradients);
 # 15: its diagonal sums rotate the tile in a layout of one thread per column (ROTATE_LAYOUT),
 # while dQ's product runs.) forward_gluon 15: the second consumer warpgroup starts a softmax behind.
+# forward_gluon 16: an integer-valued score_mod's tile made float32 (it failed to compile).
 SIGMOID_REVISION = 4
-TEMPLATE_VERSIONS = {"forward": 14, "forward_gluon": 15, "backward_gluon": 16, "backward_delta": 2, "block_mask": 5,
+TEMPLATE_VERSIONS = {"forward": 14, "forward_gluon": 16, "backward_gluon": 16, "backward_delta": 2, "block_mask": 5,
                      "block_lists": 2, "decode": 5, "decode_merge": 2, "paged_write": 3,
                      "backward": 14, "linear": 5, "linear_decode": 2}
 
