@@ -15,6 +15,8 @@
 #   sanitize  benchmarks/sanitize.py under compute-sanitizer: memcheck over every kernel family,
 #             racecheck on one forward and one backward kernel, then tests/test_fuzz.py on the GPU
 #             under memcheck (its stored examples, then SANITIZE_FUZZ_EXAMPLES=6 seeded ones per test)
+#   gluonfuzz tests/test_fuzz.py on the GPU through the Gluon kernels (FLEXGEN_FUZZ_BACKEND=gluon):
+#             GLUON_FUZZ_EXAMPLES=30 per test from seed GLUON_FUZZ_SEED=0 (each a few Gluon compiles)
 #   forward   benchmarks/bench_forward.py   forward speed vs torch.compile(flex_attention) and SDPA
 #   backward  benchmarks/bench_backward.py  backward and forward+backward speed vs the same peers
 #   decode    benchmarks/bench_decode.py    decode (q_len=1), contiguous and paged, vs copy bandwidth
@@ -28,7 +30,7 @@
 #
 # Environment (seconds): TOTAL_BUDGET_S=560 for the whole script; each step's budget is
 # <STEP>_BUDGET_S (defaults: CHECK 100, TUNE 240, GPUTESTS 150, FORWARD 240, BACKWARD 150, DECODE 70,
-# COLD 90, HOST 30, SANITIZE 300, MODELS 420, NOSOFTMAX 240, GLUON 300, SERVING 240), cut to what is left. Extra arguments: BENCH_FORWARD_ARGS, BENCH_BACKWARD_ARGS,
+# COLD 90, HOST 30, SANITIZE 300, MODELS 420, NOSOFTMAX 240, GLUON 300, SERVING 240, GLUONFUZZ 400), cut to what is left. Extra arguments: BENCH_FORWARD_ARGS, BENCH_BACKWARD_ARGS,
 # BENCH_DECODE_ARGS, TUNE_ARGS, COLD_ARGS.  PYTHON=python3  SMOKE=0
 set -u -o pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -61,7 +63,8 @@ budget_of() {     # the step's budget, cut to the time left
         cold) want=${COLD_BUDGET_S:-150} ;;  host) want=${HOST_BUDGET_S:-30} ;;
         sanitize) want=${SANITIZE_BUDGET_S:-300} ;;  models) want=${MODELS_BUDGET_S:-420} ;;
         nosoftmax) want=${NOSOFTMAX_BUDGET_S:-240} ;;  gluon) want=${GLUON_BUDGET_S:-300} ;;
-        serving) want=${SERVING_BUDGET_S:-240} ;;  *) want=0 ;;
+        serving) want=${SERVING_BUDGET_S:-240} ;;  gluonfuzz) want=${GLUONFUZZ_BUDGET_S:-400} ;;
+        *) want=0 ;;
     esac
     local rest=$(( $(left) - 10 ))
     [ "$want" -gt "$rest" ] && want=$rest
@@ -97,6 +100,11 @@ run_step() {
                        FLEXGEN_FUZZ_EXAMPLES=${SANITIZE_FUZZ_EXAMPLES:-6} compute-sanitizer --tool memcheck \
                        --error-exitcode 9 '$PY' -m pytest -q -p no:cacheprovider '$ROOT/tests/test_fuzz.py'; \
                        echo fuzz memcheck exit \$?") ;;
+        # The fuzzer's mods through the Gluon kernels (from /tmp as gputests), the statistics
+        # saying which kernels the examples reached.
+        gluonfuzz) cmd=(bash -c "cd /tmp && FLEXGEN_FUZZ_DEVICE=cuda FLEXGEN_FUZZ_BACKEND=gluon FLEXGEN_TEST_AOT=0 \
+                       FLEXGEN_FUZZ_EXAMPLES=${GLUON_FUZZ_EXAMPLES:-30} FLEXGEN_FUZZ_SEED=${GLUON_FUZZ_SEED:-0} \
+                       '$PY' -m pytest -q -p no:cacheprovider '$ROOT/tests/test_fuzz.py' --hypothesis-show-statistics") ;;
         models)   cmd=("$PY" benchmarks/bench_models.py $SMOKE_ARG --budget "$budget" ${BENCH_MODELS_ARGS:-}) ;;
         nosoftmax) cmd=("$PY" benchmarks/bench_nosoftmax.py $SMOKE_ARG ${BENCH_NOSOFTMAX_ARGS:-}) ;;
         gluon)    cmd=("$PY" benchmarks/bench_gluon.py $SMOKE_ARG --budget "$((budget - 60))" \

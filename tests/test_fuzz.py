@@ -44,10 +44,13 @@ which also writes new failures into ``tests/fuzz_db/`` (commit them with the fix
 none of the stored ones.
 ``FLEXGEN_FUZZ_SEED`` picks another fixed seed (default 0). ``FLEXGEN_FUZZ_DEVICE=cuda`` runs
 the same examples on a GPU (the stored ones first; the database stays read-only there), e.g.
-under ``compute-sanitizer`` (``benchmarks/run_all.sh``, step sanitize).
+under ``compute-sanitizer`` (``benchmarks/run_all.sh``, step sanitize). With
+``FLEXGEN_FUZZ_BACKEND=gluon`` as well, the mods go through the Gluon kernels on an sm_90 GPU
+(``GLUON``; step gluonfuzz there).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import os
@@ -73,6 +76,12 @@ CI_EXAMPLES = {"forward": 20, "backward": 9}
 LONG_EXAMPLES = int(os.environ.get("FLEXGEN_FUZZ_EXAMPLES", "0"))
 FUZZ_SEED = int(os.environ.get("FLEXGEN_FUZZ_SEED", "0"))
 DEVICE = torch.device(os.environ.get("FLEXGEN_FUZZ_DEVICE", "cpu"))
+# FLEXGEN_FUZZ_BACKEND=gluon (with FLEXGEN_FUZZ_DEVICE=cuda, on an sm_90 GPU): the same mods
+# through the Gluon kernels, which the interpreter cannot run: kernel_options BACKEND "gluon",
+# shapes they take (half precision, equal head dims 64 / 128, 128-position blocks, lengths up
+# to three tiles), and per backward example the fused kernel or the dQ and dK/dV pair. (No
+# learned tensors: they come with float32 inputs only, below.)
+GLUON = os.environ.get("FLEXGEN_FUZZ_BACKEND", "") == "gluon"
 
 
 class _KeepingDatabase(DirectoryBasedExampleDatabase):
@@ -536,6 +545,7 @@ class Example:
     path: str               # "flex" or "decode" (decode_attention with an element-wise mask_mod)
     with_lse: bool          # backward: the loss also depends on the LSE
     seed: int
+    fused: bool = False     # GLUON: the fused Gluon backward (plan.GLUON_FUSED), else the pair
 
     @property
     def scale(self) -> float:
@@ -544,7 +554,8 @@ class Example:
     def __repr__(self):
         lines = [f"Example(B={self.B}, Hq={self.Hq}, Hkv={self.Hkv}, Lq={self.Lq}, Lkv={self.Lkv}, "
                  f"D={self.D}, Dv={self.Dv}, {self.dtype}, path={self.path}, "
-                 f"block_size={self.block_size}, with_lse={self.with_lse}, seed={self.seed})"]
+                 f"block_size={self.block_size}, with_lse={self.with_lse}, seed={self.seed}"
+                 + (f", BACKEND gluon, fused={self.fused})" if GLUON else ")")]
         for buf, learn in zip(self.buffers, self.learn):
             lines.append(f"    {buf!r}" + (".requires_grad_()" if learn else ""))
         if self.score is not None:
@@ -559,6 +570,8 @@ class Example:
 
 LQ = (1, 16, 17, 32, 45, 64, 67, 96, 128)
 LKV = (1, 7, 32, 33, 45, 64, 70, 96, 128)
+LQ_GLUON = (1, 17, 64, 128, 129, 200, 256, 384)
+LKV_GLUON = (1, 33, 64, 128, 130, 256, 300, 384)
 
 
 @st.composite
@@ -597,10 +610,11 @@ def examples(draw, grad: bool):
             draw(st.integers(0, 3)))
     group = draw(st.sampled_from([1, 1, 2, 3]))
     Hkv = draw(st.sampled_from([1, 2]))
-    D = draw(st.sampled_from([16, 24, 32, 64]))
-    path = "flex" if grad or draw(st.integers(0, 3)) else "decode"
-    Lq = draw(st.sampled_from(LQ if path == "flex" else (1, 3, 16)))
-    dtype = draw(st.sampled_from([torch.float32, torch.float32, torch.float16, torch.bfloat16]))
+    D = draw(st.sampled_from([64, 128] if GLUON else [16, 24, 32, 64]))
+    path = "flex" if grad or GLUON or draw(st.integers(0, 3)) else "decode"
+    Lq = draw(st.sampled_from(LQ_GLUON if GLUON else LQ if path == "flex" else (1, 3, 16)))
+    dtype = draw(st.sampled_from([torch.float16, torch.bfloat16] if GLUON else
+                                 [torch.float32, torch.float32, torch.float16, torch.bfloat16]))
     # Learned tensors with float32 inputs only: with half-precision ones their gradients, sums
     # of many dZ terms computed from rounded outputs, are off by several percent (a test of
     # precision, not of the kernels; test_backward's GPU cases allow 5% there).
@@ -620,11 +634,13 @@ def examples(draw, grad: bool):
             mask = check if mask is None else node("and", mask, check, kind="bool", bound=1)
     return Example(
         score=score, mask=mask, buffers=tuple(buffers), learn=learn,
-        B=draw(st.sampled_from([1, 2])), Hq=Hkv * group, Hkv=Hkv, Lq=Lq, Lkv=draw(st.sampled_from(LKV)),
-        D=D, Dv=draw(st.sampled_from([D, D, 16, 32])),
+        B=draw(st.sampled_from([1, 2])), Hq=Hkv * group, Hkv=Hkv, Lq=Lq,
+        Lkv=draw(st.sampled_from(LKV_GLUON if GLUON else LKV)),
+        D=D, Dv=D if GLUON else draw(st.sampled_from([D, D, 16, 32])),
         dtype=dtype,
-        block_size=draw(st.sampled_from([32, 64])), path=path,
-        with_lse=grad and draw(st.booleans()), seed=draw(st.integers(0, 2 ** 16)))
+        block_size=128 if GLUON else draw(st.sampled_from([32, 64])), path=path,
+        with_lse=grad and draw(st.booleans()), seed=draw(st.integers(0, 2 ** 16)),
+        fused=GLUON and grad and draw(st.booleans()))
 
 
 def _inputs(ex: Example):
@@ -678,7 +694,7 @@ def _block_mask(ex: Example, mask_mod):
     return create_block_mask(mask_mod, ex.B, ex.Hq, ex.Lq, ex.Lkv, device=DEVICE, BLOCK_SIZE=ex.block_size)
 
 
-OPTIONS = {"BLOCK_M": 32, "BLOCK_N": 32}
+OPTIONS = {"BACKEND": "gluon"} if GLUON else {"BLOCK_M": 32, "BLOCK_N": 32}
 
 
 @pytest.fixture(autouse=True)
@@ -686,6 +702,24 @@ def _poison(monkeypatch):
     """Outputs filled with NaN before each launch, whatever the environment says."""
     from flexgen.runtime import poison
     monkeypatch.setattr(poison, "ENABLED", True)
+
+
+@contextlib.contextmanager
+def _fused_backward(fused: bool):
+    """GLUON: plan the fused Gluon backward (``fused``) or never (plan.GLUON_FUSED), with the
+    plans made under the other setting forgotten before and after."""
+    if not GLUON:
+        yield
+        return
+    from flexgen.runtime import plan
+    before = plan.GLUON_FUSED
+    plan.GLUON_FUSED = fused
+    plan.clear_memos()
+    try:
+        yield
+    finally:
+        plan.GLUON_FUSED = before
+        plan.clear_memos()
 
 
 @_settings("forward")
@@ -728,7 +762,7 @@ def test_fuzz_backward(ex):
     learned = [buffers[b.name] for b, learn in zip(ex.buffers, ex.learn) if learn]
     score_mod, mask_mod = make_mod(ex.score, buffers, "score"), make_mod(ex.mask, buffers, "mask")
     gqa = ex.Hq != ex.Hkv
-    with aot.recording() as launches:
+    with aot.recording() as launches, _fused_backward(ex.fused):
         try:
             out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=_block_mask(ex, mask_mod),
                                       scale=ex.scale, enable_gqa=gqa, return_lse=True,
@@ -746,7 +780,9 @@ def test_fuzz_backward(ex):
             loss = loss + (torch.where(lse.isinf(), 0.0, lse) * d_lse).sum()
         leaves = [q, k, v, *learned]
         got = torch.autograd.grad(loss, leaves, allow_unused=True)
-    _events(ex, "forward+backward")
+    kernels = sorted({spec.template + (f".{spec.part}" if getattr(spec, "part", None) else "")
+                      for spec, _, _ in launches})
+    _events(ex, "+".join(kernels) if GLUON else "forward+backward")
     ref, ref_lse = flex_attention_reference(q, k, v, score_mod, mask_mod, scale=ex.scale, enable_gqa=gqa,
                                             return_lse=True, dtype=torch.float64)
     check(out.detach(), ref.detach(), ex.dtype, lse.detach(), ref_lse.detach())
