@@ -82,6 +82,12 @@ DEVICE = torch.device(os.environ.get("FLEXGEN_FUZZ_DEVICE", "cpu"))
 # to three tiles), and per backward example the fused kernel or the dQ and dK/dV pair. (No
 # learned tensors: they come with float32 inputs only, below.)
 GLUON = os.environ.get("FLEXGEN_FUZZ_BACKEND", "") == "gluon"
+if os.environ.get("FLEXGEN_FUZZ_BACKEND", "") not in ("", "gluon"):
+    raise pytest.UsageError(f"FLEXGEN_FUZZ_BACKEND: expected 'gluon' or unset, got "
+                            f"{os.environ['FLEXGEN_FUZZ_BACKEND']!r}")
+if GLUON and DEVICE.type != "cuda":
+    raise pytest.UsageError("FLEXGEN_FUZZ_BACKEND=gluon runs the Gluon kernels, which need an sm_90 GPU: "
+                            "set FLEXGEN_FUZZ_DEVICE=cuda too")
 
 
 class _KeepingDatabase(DirectoryBasedExampleDatabase):
