@@ -56,6 +56,33 @@ def backward_plan(q, k, v, score=None, bm=None, options=GLUON):
     return call, plan_module.plan_backward(call, q, k, v, grad_slots(buffers))
 
 
+def gluon_backward_launch(q, k, v, score, bm, part, options=GLUON):
+    """(spec, grid, args, constexprs) of the Gluon backward kernel ``part`` ("dq", "dkdv" or
+    "fused", which plan.GLUON_FUSED decides) for these CPU inputs and mods, as the runtime
+    would launch it (planned as if on Hopper: ``as_if_hopper``); None where the plan has no
+    such kernel."""
+    _, bw = backward_plan(q, k, v, score, bm, options)
+    spec = {"dq": bw.gluon_dq, "dkdv": bw.gluon_dkdv, "fused": bw.gluon_fused}[part]
+    if spec is None:
+        return None
+    module = cache.load(spec, interpret=False)
+    B, H, Lq, _ = q.shape
+    _, _, lists, block_size, _ = mask_inputs(bm)
+    sparse = None if bm is None else backward_module._lists(lists[:4] if part == "dq" else lists[4:], B, H,
+                                                            block_size)
+    lse = torch.empty(B, H, Lq)
+    score_buffers = () if score is None else trace_cached(score, "score_mod").buffers
+    mask_buffers = () if bm is None else trace_cached(bm.mask_mod, "mask_mod").buffers
+    grid, args, constexprs = module.arguments(
+        q=q, k=k, v=v, out=torch.empty_like(q), dout=torch.empty_like(q), lse=lse, dlse=None, delta=lse,
+        # (the fused kernel's dQ: the float32 sum its reduce-adds go to)
+        dq=torch.empty(q.shape) if part == "fused" else torch.empty_like(q), dk=torch.empty_like(k),
+        dv=torch.empty_like(v), sparse=sparse, score_buffers=score_buffers, mask_buffers=mask_buffers,
+        grad_buffers=backward_module.gradient_buffers(bw, score_buffers, "cpu") if part == "dq" else (),
+        scale=0.125)
+    return spec, grid, args, constexprs
+
+
 # ------------------------------------------------------------------------- the choice
 
 def test_backend_gluon_plans_the_gluon_backward_kernels(as_if_hopper):
@@ -289,28 +316,14 @@ def test_gluon_backward_compiles_for_sm90(as_if_hopper, monkeypatch, name, part)
     gradients has no fused kernel, nor have 128 query rows at head dim 128 one."""
     monkeypatch.setattr(plan_module, "GLUON_FUSED", part == "fused")
     q, k, v, score, bm, options = case_inputs(name)
-    call, bw = backward_plan(q, k, v, score, bm, options)
-    spec = {"dq": bw.gluon_dq, "dkdv": bw.gluon_dkdv, "fused": bw.gluon_fused}[part]
-    if part == "fused" and (bw.dq.scatters or name == "causal_d128_m128"):
-        assert spec is None
+    launch = gluon_backward_launch(q, k, v, score, bm, part, options)
+    if part == "fused" and (name == "causal_d128_m128" or backward_plan(q, k, v, score, bm, options)[1].dq.scatters):
+        assert launch is None
         return
+    spec, grid, args, constexprs = launch
     assert spec.template == "backward_gluon" and spec.part == part
     conftest.skip_outside_aot_sample(spec)
-    module = cache.load(spec, interpret=False)
     B, H, Lq, _ = q.shape
-    _, _, lists, block_size, _ = mask_inputs(bm)
-    sparse = None if bm is None else backward_module._lists(lists[:4] if part == "dq" else lists[4:], B, H,
-                                                            block_size)
-    lse = torch.empty(B, H, Lq)
-    score_buffers = () if score is None else trace_cached(score, "score_mod").buffers
-    mask_buffers = () if bm is None else trace_cached(bm.mask_mod, "mask_mod").buffers
-    grid, args, constexprs = module.arguments(
-        q=q, k=k, v=v, out=torch.empty_like(q), dout=torch.empty_like(q), lse=lse, dlse=None, delta=lse,
-        # (the fused kernel's dQ: the float32 sum its reduce-adds go to)
-        dq=torch.empty(q.shape) if part == "fused" else torch.empty_like(q), dk=torch.empty_like(k),
-        dv=torch.empty_like(v), sparse=sparse, score_buffers=score_buffers, mask_buffers=mask_buffers,
-        grad_buffers=backward_module.gradient_buffers(bw, score_buffers, "cpu") if part == "dq" else (),
-        scale=0.125)
     if part == "fused":
         assert "cp.reduce.async.bulk.tensor" in aot.compile_launch(spec, args, constexprs).asm["ptx"]
     if part == "dq":

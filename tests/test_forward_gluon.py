@@ -11,6 +11,7 @@ need an sm_90 GPU and are skipped elsewhere.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 
 import pytest
@@ -39,13 +40,23 @@ ON_HOPPER = (torch.cuda.is_available() and torch.cuda.get_device_capability() ==
 needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU and Triton's Gluon")
 
 
-@pytest.fixture
-def as_if_hopper(monkeypatch):
+@contextlib.contextmanager
+def planned_as_if_on_hopper():
     """Plan Gluon kernels for CPU tensors (rendering and the sm_90 compile need no GPU)."""
-    monkeypatch.setattr(plan_module, "gluon_unavailable", lambda query, D, Dv: None)
+    unavailable = plan_module.gluon_unavailable
+    plan_module.gluon_unavailable = lambda query, D, Dv: None
     plan_module.clear_memos()
-    yield
-    plan_module.clear_memos()
+    try:
+        yield
+    finally:
+        plan_module.gluon_unavailable = unavailable
+        plan_module.clear_memos()
+
+
+@pytest.fixture
+def as_if_hopper():
+    with planned_as_if_on_hopper():
+        yield
 
 
 # ------------------------------------------------------------------------- the choice
@@ -327,7 +338,12 @@ def case_inputs(name, device="cpu"):
 def gluon_launch(name, sigmoid=False):
     """(spec, args, constexprs) of the Gluon forward launch of case ``name`` (flex_attention's,
     or with ``sigmoid`` sigmoid_attention's), as the runtime would make them."""
-    q, k, v, score, bm = case_inputs(name)
+    return gluon_forward_launch(*case_inputs(name), sigmoid=sigmoid)
+
+
+def gluon_forward_launch(q, k, v, score, bm, sigmoid=False):
+    """``gluon_launch`` for these inputs and mods (CPU tensors, planned as if on Hopper:
+    ``as_if_hopper``)."""
     if sigmoid:
         spec = sigmoid_plan(q, k, v, score, bm, GLUON, enable_gqa=True).spec
     else:

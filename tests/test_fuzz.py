@@ -676,13 +676,36 @@ def _inputs(ex: Example):
     return q, k, v, buffers
 
 
-def _compile_for_hopper(launches) -> None:
-    """Each launch compiles for sm_90 (memoized across the session with the conftest's)."""
+def _compile_for_hopper(launches, ex: Example, score_mod, mask_mod, backward: bool) -> None:
+    """Each launch compiles for sm_90 (memoized across the session with the conftest's), and so
+    do the Gluon kernels of the example's mods (``_gluon_launches``)."""
     if not AOT_ENABLED or DEVICE.type != "cpu":
         return
-    for spec, args, constexprs in launches:
+    for spec, args, constexprs in list(launches) + _gluon_launches(ex, score_mod, mask_mod, backward):
         error = compile_error(spec, args, constexprs)
         assert error is None, f"sm_90 compile of {spec.kernel_name} failed: {error[-3000:]}"
+
+
+def _gluon_launches(ex: Example, score_mod, mask_mod, backward: bool) -> list:
+    """The Gluon kernels (Hopper; the interpreter cannot run them) of the example's mods as
+    [(spec, args, constexprs)]: its batch, heads and lengths at a shape they take (bf16, head dim
+    64, 128-position blocks), planned as if on Hopper with BACKEND "gluon"; the forward, and for
+    a backward example the dQ, dK/dV and fused kernels (no fused one where a captured tensor
+    wants a gradient)."""
+    from test_backward_gluon import gluon_backward_launch
+    from test_forward_gluon import gluon_forward_launch, planned_as_if_on_hopper
+    q = torch.zeros(ex.B, ex.Hq, ex.Lq, 64, dtype=torch.bfloat16)
+    k, v = (torch.zeros(ex.B, ex.Hkv, ex.Lkv, 64, dtype=torch.bfloat16) for _ in range(2))
+    bm = None if mask_mod is None else create_block_mask(mask_mod, ex.B, ex.Hq, ex.Lq, ex.Lkv, BLOCK_SIZE=128)
+    with planned_as_if_on_hopper():
+        launches = [gluon_forward_launch(q, k, v, score_mod, bm)]
+        for part in ("dq", "dkdv", "fused") if backward else ():
+            with _fused_backward(part == "fused"):
+                launch = gluon_backward_launch(q, k, v, score_mod, bm, part)
+            assert launch is not None or part == "fused", f"no Gluon {part} kernel planned"
+            if launch is not None:
+                launches.append((launch[0], *launch[2:]))
+    return launches
 
 
 def _events(ex: Example, kernel_path: str) -> None:
@@ -711,10 +734,10 @@ def _poison(monkeypatch):
 
 
 @contextlib.contextmanager
-def _fused_backward(fused: bool):
-    """GLUON: plan the fused Gluon backward (``fused``) or never (plan.GLUON_FUSED), with the
-    plans made under the other setting forgotten before and after."""
-    if not GLUON:
+def _fused_backward(fused: bool | None):
+    """Plan the fused Gluon backward (``fused``) or never (plan.GLUON_FUSED; None: as it is),
+    with the plans made under the other setting forgotten before and after."""
+    if fused is None:
         yield
         return
     from flexgen.runtime import plan
@@ -748,7 +771,7 @@ def test_fuzz_forward(ex):
     ref, ref_lse = flex_attention_reference(q, k, v, score_mod, mask_mod, scale=ex.scale, enable_gqa=gqa,
                                             return_lse=True, dtype=torch.float64)
     check(out, ref, ex.dtype, lse, ref_lse)
-    _compile_for_hopper(launches)
+    _compile_for_hopper(launches, ex, score_mod, mask_mod, backward=False)
 
 
 # Gradient error allowed, relative to the largest reference gradient (or 1). The 16-bit
@@ -768,7 +791,7 @@ def test_fuzz_backward(ex):
     learned = [buffers[b.name] for b, learn in zip(ex.buffers, ex.learn) if learn]
     score_mod, mask_mod = make_mod(ex.score, buffers, "score"), make_mod(ex.mask, buffers, "mask")
     gqa = ex.Hq != ex.Hkv
-    with aot.recording() as launches, _fused_backward(ex.fused):
+    with aot.recording() as launches, _fused_backward(ex.fused if GLUON else None):
         try:
             out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=_block_mask(ex, mask_mod),
                                       scale=ex.scale, enable_gqa=gqa, return_lse=True,
@@ -804,4 +827,4 @@ def test_fuzz_backward(ex):
         err, largest = (a.double() - b).abs().max().item(), b.abs().max().item()
         assert err <= GRAD_TOL[ex.dtype] * max(largest, 1.0), \
             f"{name}: max error {err:.3g}, largest gradient {largest:.3g}"
-    _compile_for_hopper(launches)
+    _compile_for_hopper(launches, ex, score_mod, mask_mod, backward=True)
