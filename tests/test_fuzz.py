@@ -689,13 +689,15 @@ def _compile_for_hopper(launches, ex: Example, score_mod, mask_mod, backward: bo
 def _gluon_launches(ex: Example, score_mod, mask_mod, backward: bool) -> list:
     """The Gluon kernels (Hopper; the interpreter cannot run them) of the example's mods as
     [(spec, args, constexprs)]: its batch, heads and lengths at a shape they take (bf16, head dim
-    64, 128-position blocks), planned as if on Hopper with BACKEND "gluon"; the forward, and for
-    a backward example the dQ, dK/dV and fused kernels (no fused one where a captured tensor
-    wants a gradient)."""
+    64, or 128 for an odd ``seed``: the fused kernel's warpgroups share dSᵀ differently there,
+    128-position blocks), planned as if on Hopper with BACKEND "gluon"; the forward, and for a
+    backward example the dQ, dK/dV and fused kernels (no fused one where a captured tensor wants
+    a gradient)."""
     from test_backward_gluon import gluon_backward_launch
     from test_forward_gluon import gluon_forward_launch, planned_as_if_on_hopper
-    q = torch.zeros(ex.B, ex.Hq, ex.Lq, 64, dtype=torch.bfloat16)
-    k, v = (torch.zeros(ex.B, ex.Hkv, ex.Lkv, 64, dtype=torch.bfloat16) for _ in range(2))
+    D = 128 if ex.seed % 2 else 64
+    q = torch.zeros(ex.B, ex.Hq, ex.Lq, D, dtype=torch.bfloat16)
+    k, v = (torch.zeros(ex.B, ex.Hkv, ex.Lkv, D, dtype=torch.bfloat16) for _ in range(2))
     bm = None if mask_mod is None else create_block_mask(mask_mod, ex.B, ex.Hq, ex.Lq, ex.Lkv, BLOCK_SIZE=128)
     with planned_as_if_on_hopper():
         launches = [gluon_forward_launch(q, k, v, score_mod, bm)]
