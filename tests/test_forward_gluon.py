@@ -325,9 +325,10 @@ def relative_bias(H, Lq, Lkv, device="cpu", learned=False):
 def case_inputs(name, device="cpu"):
     D, dtype, H, Hkv, Lq, Lkv, score, mask, block = CASES[name]
     q, k, v = make_qkv(B=2, H=H, Hkv=Hkv, L=Lq, Lkv=Lkv, D=D, dtype=dtype, device=device)
-    score = alibi_bias(H, device) if score == "alibi" else row_bias if score == "row_bias" else score
-    score = relative_bias(H, Lq, Lkv, device) if score == "relbias" else score
-    score = {"integer_score": integer_score, "uniform": uniform}.get(score, score) if isinstance(score, str) else score
+    if isinstance(score, str):
+        score = {"alibi": lambda: alibi_bias(H, device), "row_bias": lambda: row_bias,
+                 "relbias": lambda: relative_bias(H, Lq, Lkv, device), "integer_score": lambda: integer_score,
+                 "uniform": lambda: uniform}[score]()
     mask = first_rows if mask == "first_rows" else mask
     mask = doc_mask(max(Lq, Lkv), device) if mask == "doc" else mask
     bm = None if mask is None else create_block_mask(mask, None, None, Lq, Lkv, device=device,
