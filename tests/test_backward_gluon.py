@@ -411,8 +411,9 @@ def test_auto_follows_the_mods_loads_of_captured_tensors(as_if_hopper, monkeypat
     """Where the mods read captured tensors per element, AUTO fuses a score_mod adding a tensor
     read at the positions (a per-key bias: the two kernels would load it twice), from 3.5 waves,
     and at head dim 128 takes the Gluon dK/dV kernel at 64 query rows over the tl one for the
-    rest (a document mask); neither for a tensor read per head, a tile of both positions, or
-    plain rows left to the two kernels."""
+    rest (a document mask, a relative bias's table read at both positions), from
+    GLUON_DKDV_LOADS_MIN_SCORES on (the dQ and fused kernels from GLUON_BACKWARD_MIN_SCORES);
+    neither for a tensor read per head or plain rows left to the two kernels."""
     monkeypatch.setattr(plan_module, "GLUON_FUSED", None)
     q, k, v = make_qkv(B=1, H=64, L=4096, D=D, dtype=torch.bfloat16)
     causal = create_block_mask(M.causal_mask, None, None, 4096, 4096, device="cpu")
@@ -435,7 +436,18 @@ def test_auto_follows_the_mods_loads_of_captured_tensors(as_if_hopper, monkeypat
         for score in (None, key_bias):
             gluon = backward_plan(q, k, v, score, documents, options=None)[1].gluon_dkdv
             assert gluon is not None and gluon.block_m == 64
-        assert backward_plan(q, k, v, relative_bias(64, 4096, 4096), documents, options=None)[1].gluon_dkdv is None
+        gluon = backward_plan(q, k, v, relative_bias(64, 4096, 4096), documents, options=None)[1].gluon_dkdv
+        assert gluon is not None and gluon.block_m == 64
+        # The small model's attention (2 x 8 heads x 4k, 2**28 scores: a learned relative bias
+        # under a document mask): the Gluon dK/dV kernel, the tl dQ kernel, nothing fused.
+        small = make_qkv(B=2, H=8, L=4096, D=D, dtype=torch.bfloat16)
+        docs2 = create_block_mask(doc_mask(4096), 2, None, 4096, 4096, device="cpu")
+        for score in (relative_bias(8, 4096, 4096, learned=True), key_bias):
+            bw = backward_plan(*small, score, docs2, options=None)[1]
+            assert bw.gluon_dkdv is not None and bw.gluon_dq is None and bw.gluon_fused is None
+        assert backward_plan(*small, None, causal, options=None)[1].gluon_dkdv is None
+        smaller = make_qkv(B=1, H=8, L=4096, D=D, dtype=torch.bfloat16)
+        assert backward_plan(*smaller, None, documents, options=None)[1].gluon_dkdv is None
         torch.use_deterministic_algorithms(True)
         try:        # (plain rows, not fused: the tl kernel)
             assert backward_plan(q, k, v, None, causal, options=None)[1].gluon_dkdv is None

@@ -79,6 +79,15 @@ GLUON_DKDV_BLOCK_M = {64: 128, 128: 64}
 # backward 8.9 against 11.7), even on document and sliding-window masks, and 12% slower on
 # ALiBi at 128 rows; at 64 rows it ties the tl kernel (benchmarks/NOTES.md, "Gluon dK/dV").
 GLUON_BACKWARD_MIN_SCORES = 2 ** 30
+# Where the mods read captured tensors per element (a mask_mod's on the partial tiles, a
+# score_mod's not taken as key and row terms), AUTO takes the Gluon dK/dV kernel at 64 query
+# rows (head dim 128) from this size on. Its GPU time against the tl kernel's (H200, the dQ
+# kernel tl in both; whole backward): a learned relative bias rel[h, q - kv] under a document
+# mask 1.21-1.25x from 2**24 to 2**30 scores (the small model's attention, 2 x 8 heads x 4k:
+# dK/dV 136 -> 86 us), a document mask 1.01-1.11x, a relative bias under a causal mask
+# 1.05-1.15x, a per-key bias 1.08-1.15x (benchmarks/NOTES.md, 2026-11-30 third session).
+# Below 2**28 those calls are bound by the host, and their wall time read 0.59-1.08x with it.
+GLUON_DKDV_LOADS_MIN_SCORES = 2 ** 28
 # The Gluon dQ kernel's keys per step (BLOCK_N2 sets them; 64 where the score_mod computes a
 # tile of both positions: ALiBi per element spilled at 128 and head dim 128). AUTO takes the kernel for calls
 # of at least GLUON_BACKWARD_MIN_SCORES scores at head dim 128, and at head dim 64 under a block
@@ -597,17 +606,19 @@ def plan_backward(plan: AttentionPlan, query, key, value, grad_slots: tuple):
             tune_blocks=None if opts.sets_tiles else (sparse_q, sparse_kv), deterministic=deterministic,
             proven=plan.proven)
         gluon = gluon_dq = None
-        if opts.BACKEND == "gluon" or (opts.BACKEND == "AUTO" and not opts.sets_tiles
-                                       and plan.B * plan.Hq * plan.Lq * plan.Lkv >= GLUON_BACKWARD_MIN_SCORES):
+        auto = opts.BACKEND == "AUTO" and not opts.sets_tiles
+        scores = plan.B * plan.Hq * plan.Lq * plan.Lkv
+        big = opts.BACKEND == "gluon" or (auto and scores >= GLUON_BACKWARD_MIN_SCORES)
+        loads = _loads_per_element(bw.dkdv)
+        if big or (auto and loads and plan.D == 128 and scores >= GLUON_DKDV_LOADS_MIN_SCORES):
             gluon, _ = gluon_backward_spec(plan, query, key, value, bw.dkdv)
-            # At 64 query rows it ties the tl kernel (H100, plain rows): AUTO keeps the tl kernel,
-            # but where the mods read captured tensors per element (H200, 16 x 16k and 4 x 4k at
-            # head dim 128: documents -4.3% / -3.9%, documents + causal -2.7% / -4.7%, a per-key
-            # bias -3.2% / -4.5%) and the score_mod reads at one position or none (a relative
-            # bias's table, read at both: not measured).
-            if opts.BACKEND == "AUTO" and gluon is not None and gluon.block_m < 128 and not (
-                    _loads_per_element(bw.dkdv) and _score_positions(bw.dkdv) < 2):
+            # At 64 query rows it ties the tl kernel on plain rows (H100): AUTO keeps the tl
+            # kernel there, and for a score_mod computing a tile of both positions, but not
+            # where the mods read captured tensors per element (GLUON_DKDV_LOADS_MIN_SCORES).
+            if auto and gluon is not None and gluon.block_m < 128 and (
+                    not loads or _tile_of_both_positions(bw.dkdv)):
                 gluon = None
+        if big:
             gluon_dq, _ = gluon_backward_spec(plan, query, key, value, bw.dq)
             # AUTO at head dim 64: ahead under a block mask wider than a narrow band, at 128 keys.
             if opts.BACKEND == "AUTO" and (
@@ -619,7 +630,7 @@ def plan_backward(plan: AttentionPlan, query, key, value, grad_slots: tuple):
         # (a size rule, AUTO's alone, as GLUON_BACKWARD_MIN_SCORES is)
         fused_waves = (launch.waves(plan.B * plan.Hkv * -(-plan.Lkv // 128), plan.device)
                        if opts.BACKEND == "AUTO" else float("inf"))
-        if (opts.BACKEND == "gluon" or gluon is not None or gluon_dq is not None) and _fuses(
+        if big and (opts.BACKEND == "gluon" or gluon is not None or gluon_dq is not None) and _fuses(
                 bw, deterministic, fused_waves):
             fused, _ = gluon_backward_spec(plan, query, key, value, dataclasses.replace(bw.dkdv, part="fused"))
         hit = plan.backward[(grad_slots, deterministic)] = dataclasses.replace(
