@@ -85,7 +85,9 @@ GLUON_BACKWARD_MIN_SCORES = 2 ** 30
 # kernel tl in both; whole backward): a learned relative bias rel[h, q - kv] under a document
 # mask 1.21-1.25x from 2**24 to 2**30 scores (the small model's attention, 2 x 8 heads x 4k:
 # dK/dV 136 -> 86 us), a document mask 1.01-1.11x, a relative bias under a causal mask
-# 1.05-1.15x, a per-key bias 1.08-1.15x (benchmarks/NOTES.md, 2026-11-30 third session).
+# 1.05-1.15x, a per-key bias 1.08-1.15x (benchmarks/NOTES.md, 2026-11-30 third session;
+# earlier, the dK/dV kernel alone at 16 x 16k and 4 x 4k: documents -4.3% / -3.9%, documents +
+# causal -2.7% / -4.7%, a per-key bias -3.2% / -4.5%).
 # Below 2**28 those calls are bound by the host, and their wall time read 0.59-1.08x with it.
 GLUON_DKDV_LOADS_MIN_SCORES = 2 ** 28
 # The Gluon dQ kernel's keys per step (BLOCK_N2 sets them; 64 where the score_mod computes a
