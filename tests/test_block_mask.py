@@ -186,6 +186,78 @@ def test_sync_free_classification_matches(name, path, monkeypatch):
                 assert torch.equal(a, b), name
 
 
+class _InterpretedReplay:
+    """A ``launch.Replay`` stand-in for the CPU: launches the recorded inputs again through the
+    interpreter with the fresh tensors swapped in by identity, as the driver's replay swaps
+    their addresses (or declines, ``declines``)."""
+
+    def __init__(self, run, spec, device, inputs, fresh, declines):
+        self.run, self.spec, self.device, self.inputs = run, spec, device, inputs
+        self.fresh, self.declines, self.calls = fresh, declines, 0
+
+    def __call__(self, *tensors) -> bool:
+        if self.declines():
+            return False
+        swap = {id(old): new for old, new in zip(self.fresh, tensors)}
+
+        def swapped(value):
+            if isinstance(value, (list, tuple)):
+                return type(value)(swapped(v) for v in value)
+            return swap.get(id(value), value) if isinstance(value, torch.Tensor) else value
+        self.run(self.spec, self.device, {k: swapped(v) for k, v in self.inputs.items()})
+        self.calls += 1
+        return True
+
+
+@pytest.mark.parametrize("decline", [None, "classify", "fill"])
+def test_a_repeated_build_replays_its_two_launches(decline, monkeypatch):
+    """On a GPU a build that was two launches (every block by the dense kernel, then the lists
+    kernel) is made again from their replays: new captured tensors of the same shapes, new
+    outputs, nothing else recomputed; a replay that declines falls back to the build's own
+    path. The CPU stands in, its replays relaunching through the interpreter."""
+    from flexgen.masks import builder
+    from flexgen.runtime import launch
+    gen = torch.Generator().manual_seed(3)
+    docs = [torch.sort(torch.randint(0, 5, (2, 200), generator=gen), dim=1).values.int() for _ in range(3)]
+    assert not torch.equal(docs[1], docs[2])
+
+    def mask_for(ids):
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (ids[b, q_idx] == ids[b, kv_idx]) & (q_idx >= kv_idx)
+        return mask_mod
+    want = [create_block_mask(mask_for(d), 2, None, 200, 131, device="cpu", BLOCK_SIZE=(64, 16)) for d in docs]
+    monkeypatch.setattr(builder, "SYNC_FREE_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(builder, "_BUILT", set())
+    monkeypatch.setattr(builder, "_REPLAYS", {})
+    replays, builds, original = [], [], launch.run
+    declining = {"classify": "block_mask", "fill": "block_lists"}.get(decline)
+
+    def run(spec, device, inputs, replay=(), **kwargs):
+        original(spec, device, inputs, **kwargs)
+        if replay:
+            replays.append(_InterpretedReplay(original, spec, device, inputs, replay,
+                                              lambda: spec.template == declining))
+            return replays[-1]
+        return None
+    monkeypatch.setattr(launch, "run", run)
+    own_build = builder._build
+    monkeypatch.setattr(builder, "_build", lambda *a: builds.append(a) or own_build(*a))
+    got = [create_block_mask(mask_for(d), 2, None, 200, 131, device="cpu", BLOCK_SIZE=(64, 16))
+           for d in (docs[0], docs[0], docs[1], docs[2])]
+    for a, b in zip(want, got[1:]):
+        for x, y in zip(a.as_tuple(), b.as_tuple()):
+            if isinstance(x, torch.Tensor):
+                assert torch.equal(x, y)
+    # The first build ran torch ops, the second the two kernels (kept), the others replayed them.
+    assert [r.spec.template for r in replays[:2]] == ["block_mask", "block_lists"]
+    if decline is None:
+        assert len(builds) == 2 and [r.calls for r in replays] == [2, 2]
+    elif decline == "classify":
+        assert len(builds) == 4
+    else:
+        assert len(builds) == 2 and replays[0].calls == 2
+
+
 def test_default_block_size_and_single_block():
     mask = check_mask(M.causal_mask, 1, 1, 67, 67, 128)
     assert mask.BLOCK_SIZE == (128, 128)
@@ -525,6 +597,43 @@ def test_large_document_mask_memory(tmp_path):
     assert float(values["growth_mib"]) < 200, line
     assert float(values["peak_over_current_mib"]) < 200, line
     assert float(values["seconds"]) < 120, line
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("B,H,Q_LEN,KV_LEN", [(2, None, 1000, 777), (1, 3, 512, 512)])
+def test_gpu_mask_builds_replayed_with_new_tensors(B, H, Q_LEN, KV_LEN, monkeypatch):
+    """A training loop's mask over new document ids each step: from the third build on (the
+    first runs torch ops, the second the kernels) the build is the two kernels' replays with
+    the step's tensors, without a sync, and gives the CPU's lists."""
+    from flexgen.masks import builder
+    from flexgen.runtime import launch
+    monkeypatch.setattr(launch, "RECORDED", None)     # (the suite records launches: never replayed)
+    monkeypatch.setattr(builder, "_REPLAYS", {})
+    builds, own_build = [], builder._build
+    monkeypatch.setattr(builder, "_build", lambda *a: builds.append(a) or own_build(*a))
+    gen = torch.Generator().manual_seed(B * 7 + Q_LEN)
+    steps = [torch.sort(torch.randint(0, 6, (B, max(Q_LEN, KV_LEN)), generator=gen), dim=1).values.int()
+             for _ in range(5)]
+
+    def mask_for(ids):
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (ids[b, q_idx] == ids[b, kv_idx]) & (q_idx - kv_idx >= h * 8 - 16)
+        return mask_mod
+    for i, ids in enumerate(steps):
+        cuda = ids.cuda()
+        if i == 4:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = create_block_mask(mask_for(cuda), B, H, Q_LEN, KV_LEN, device="cuda", BLOCK_SIZE=(64, 32))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        want = create_block_mask(mask_for(ids), B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=(64, 32))
+        for a, b in zip(got.as_tuple(), want.as_tuple()):
+            if isinstance(a, torch.Tensor):
+                assert torch.equal(a.cpu(), b), (i, H)
+    # (The first build launches the kernels at once where a previous process compiled them.)
+    assert len(builds) <= 2 and len(builder._REPLAYS) == 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
