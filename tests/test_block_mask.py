@@ -633,7 +633,7 @@ def test_gpu_mask_builds_replayed_with_new_tensors(B, H, Q_LEN, KV_LEN, monkeypa
             if isinstance(a, torch.Tensor):
                 assert torch.equal(a.cpu(), b), (i, H)
     # (The first build launches the kernels at once where a previous process compiled them.)
-    assert len(builds) <= 2 and len(builder._REPLAYS) == 1
+    assert len([b for b in builds if b[-2].type == "cuda"]) <= 2 and len(builder._REPLAYS) == 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
