@@ -60,7 +60,7 @@ def host_layers(step, steps: int) -> str:
     around the functions; the layers nest, so the rows do not add up)."""
     from flexgen.kernels import backward
     from flexgen.masks import builder
-    from flexgen.runtime import launch, ops
+    from flexgen.runtime import driver, launch, ops
     layers = [(ops, "_attention", "forward op's implementation"),
               (ops, "run_forward", "  forward kernel call"),
               (ops, "_attention_backward", "backward op's implementation"),
@@ -70,6 +70,7 @@ def host_layers(step, steps: int) -> str:
               (backward, "gradient_buffers", "    zeroed gradient sums"),
               (backward, "buffer_grads", "    gradients cast"),
               (launch.Replay, "__call__", "replayed launches (all)"),
+              (driver.Binary, "launch_packed", "  the driver's launches (all)"),
               (builder, "build", "block mask build")]
     spent = collections.Counter()
     originals = []
