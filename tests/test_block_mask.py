@@ -209,28 +209,17 @@ class _InterpretedReplay:
         return True
 
 
-@pytest.mark.parametrize("decline", [None, "classify", "fill"])
-def test_a_repeated_build_replays_its_two_launches(decline, monkeypatch):
-    """On a GPU a build that was two launches (every block by the dense kernel, then the lists
-    kernel) is made again from their replays: new captured tensors of the same shapes, new
-    outputs, nothing else recomputed; a replay that declines falls back to the build's own
-    path. The CPU stands in, its replays relaunching through the interpreter."""
+def _replaying_launches(monkeypatch, declining=None) -> list:
+    """The CPU as a GPU for the builder, its launches run through the interpreter and each one
+    asked for a replay giving an ``_InterpretedReplay`` (which declines where its template is
+    ``declining``): the list they are appended to."""
     from flexgen.masks import builder
     from flexgen.runtime import launch
-    gen = torch.Generator().manual_seed(3)
-    docs = [torch.sort(torch.randint(0, 5, (2, 200), generator=gen), dim=1).values.int() for _ in range(3)]
-    assert not torch.equal(docs[1], docs[2])
-
-    def mask_for(ids):
-        def mask_mod(b, h, q_idx, kv_idx):
-            return (ids[b, q_idx] == ids[b, kv_idx]) & (q_idx >= kv_idx)
-        return mask_mod
-    want = [create_block_mask(mask_for(d), 2, None, 200, 131, device="cpu", BLOCK_SIZE=(64, 16)) for d in docs]
     monkeypatch.setattr(builder, "SYNC_FREE_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(builder, "_BUILT", set())
     monkeypatch.setattr(builder, "_REPLAYS", {})
-    replays, builds, original = [], [], launch.run
-    declining = {"classify": "block_mask", "fill": "block_lists"}.get(decline)
+    monkeypatch.setattr(builder, "_SEEN", set())
+    replays, original = [], launch.run
 
     def run(spec, device, inputs, replay=(), **kwargs):
         original(spec, device, inputs, **kwargs)
@@ -240,9 +229,30 @@ def test_a_repeated_build_replays_its_two_launches(decline, monkeypatch):
             return replays[-1]
         return None
     monkeypatch.setattr(launch, "run", run)
-    own_build = builder._build
+    return replays
+
+
+def _documents(ids):
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (ids[b, q_idx] == ids[b, kv_idx]) & (q_idx >= kv_idx)
+    return mask_mod
+
+
+@pytest.mark.parametrize("decline", [None, "classify", "fill"])
+def test_a_repeated_build_replays_its_two_launches(decline, monkeypatch):
+    """On a GPU a build that was two launches (every block by the dense kernel, then the lists
+    kernel) is made again from their replays: new captured tensors of the same shapes, new
+    outputs, nothing else recomputed; a replay that declines falls back to the build's own
+    path. The CPU stands in, its replays relaunching through the interpreter."""
+    from flexgen.masks import builder
+    gen = torch.Generator().manual_seed(3)
+    docs = [torch.sort(torch.randint(0, 5, (2, 200), generator=gen), dim=1).values.int() for _ in range(3)]
+    assert not torch.equal(docs[1], docs[2])
+    want = [create_block_mask(_documents(d), 2, None, 200, 131, device="cpu", BLOCK_SIZE=(64, 16)) for d in docs]
+    replays = _replaying_launches(monkeypatch, {"classify": "block_mask", "fill": "block_lists"}.get(decline))
+    builds, own_build = [], builder._build
     monkeypatch.setattr(builder, "_build", lambda *a: builds.append(a) or own_build(*a))
-    got = [create_block_mask(mask_for(d), 2, None, 200, 131, device="cpu", BLOCK_SIZE=(64, 16))
+    got = [create_block_mask(_documents(d), 2, None, 200, 131, device="cpu", BLOCK_SIZE=(64, 16))
            for d in (docs[0], docs[0], docs[1], docs[2])]
     for a, b in zip(want, got[1:]):
         for x, y in zip(a.as_tuple(), b.as_tuple()):
@@ -256,6 +266,20 @@ def test_a_repeated_build_replays_its_two_launches(decline, monkeypatch):
         assert len(builds) == 4
     else:
         assert len(builds) == 2 and replays[0].calls == 2
+
+
+def test_builds_of_new_keys_make_no_replays(monkeypatch):
+    """A loop whose every build is new (a decode step's longer cache) keeps no replays and makes
+    none: a key's launches are kept from its second build on."""
+    from flexgen.masks import builder
+    ids = torch.sort(torch.randint(0, 5, (2, 300), generator=torch.Generator().manual_seed(4)), dim=1).values.int()
+    replays = _replaying_launches(monkeypatch)
+    with builder.compile_on_first_build():       # (the kernels from the first build on)
+        for kv_len in (129, 130, 131, 132):
+            create_block_mask(_documents(ids), 2, None, 1, kv_len, device="cpu", BLOCK_SIZE=(64, 16))
+    assert replays == [] and builder._REPLAYS == {}
+    create_block_mask(_documents(ids), 2, None, 1, 132, device="cpu", BLOCK_SIZE=(64, 16))
+    assert [r.spec.template for r in replays] == ["block_mask", "block_lists"] and len(builder._REPLAYS) == 1
 
 
 def test_default_block_size_and_single_block():
@@ -603,12 +627,13 @@ def test_large_document_mask_memory(tmp_path):
 @pytest.mark.parametrize("B,H,Q_LEN,KV_LEN", [(2, None, 1000, 777), (1, 3, 512, 512)])
 def test_gpu_mask_builds_replayed_with_new_tensors(B, H, Q_LEN, KV_LEN, monkeypatch):
     """A training loop's mask over new document ids each step: from the third build on (the
-    first runs torch ops, the second the kernels) the build is the two kernels' replays with
-    the step's tensors, without a sync, and gives the CPU's lists."""
+    first makes no replay, the second keeps the kernels') the build is the two kernels'
+    replays with the step's tensors, without a sync, and gives the CPU's lists."""
     from flexgen.masks import builder
     from flexgen.runtime import launch
     monkeypatch.setattr(launch, "RECORDED", None)     # (the suite records launches: never replayed)
     monkeypatch.setattr(builder, "_REPLAYS", {})
+    monkeypatch.setattr(builder, "_SEEN", set())
     builds, own_build = [], builder._build
     monkeypatch.setattr(builder, "_build", lambda *a: builds.append(a) or own_build(*a))
     gen = torch.Generator().manual_seed(B * 7 + Q_LEN)

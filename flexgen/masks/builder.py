@@ -126,7 +126,8 @@ def fill_lists(hit: torch.Tensor, out: torch.Tensor | None = None, kept: list | 
     kernel (``EVERY_MAX_ELEMENTS``): a process that builds one mask compiles nothing
     (``compile_on_first_build`` launches it there too). Elsewhere both states go through
     each torch op (the leading dim of 2): two sorts, two sums and two copies in all, into
-    views of one tensor. ``kept``: where a launch's ``launch.Replay`` (or None) is appended.
+    views of one tensor. ``kept``: where a launch's ``launch.Replay`` (or None) is appended
+    (None: no Replay is made).
     """
     _, B, H, nq, nkv = hit.shape
     lay = layout(B, H, nq, nkv)
@@ -140,7 +141,7 @@ def fill_lists(hit: torch.Tensor, out: torch.Tensor | None = None, kept: list | 
         inputs = dict(hits=hit.contiguous(), out=out, n_kv=lay.n_kv, n_q=lay.n_q, n_idx=lay.n_idx)
         if _kernel_now(spec, hit.device, inputs):
             from ..runtime import launch
-            replay = launch.run(spec, hit.device, inputs, replay=(hit, out))
+            replay = launch.run(spec, hit.device, inputs, replay=() if kept is None else (hit, out))
             if kept is not None:
                 kept.append(replay)
             return out
@@ -180,7 +181,8 @@ def block_hits(lowered, traced, B, H, Q_LEN, KV_LEN, q_block, kv_block, device,
     which decides them exactly, and one indexed write stores the element
     pass's partial and full rows. No int8 state tensor is built, and no
     lookup of its values follows. ``kept``: where the launch's ``launch.Replay`` (or None) is
-    appended when one kernel classified every block (nothing else wrote ``hit``).
+    appended when one kernel classified every block (nothing else wrote ``hit``); None: no
+    Replay is made.
     """
     from ..frontend.lowering import buffer_map
     from . import bounds
@@ -197,7 +199,8 @@ def block_hits(lowered, traced, B, H, Q_LEN, KV_LEN, q_block, kv_block, device,
         if not (by_torch and _classify_every_with_torch(lowered, traced, hit, Q_LEN, KV_LEN,
                                                         q_block, kv_block)):
             from ..runtime import launch
-            replay = launch.run(spec, hit.device, inputs, replay=(hit, *traced.buffers))
+            replay = launch.run(spec, hit.device, inputs,
+                                replay=() if kept is None else (hit, *traced.buffers))
             if kept is not None:
                 kept.append(replay)
         return hit
@@ -278,6 +281,7 @@ def clear_memos() -> None:
     _BUILT.clear()
     _LISTS.clear()
     _REPLAYS.clear()
+    _SEEN.clear()
 
 
 # The lists of masks that capture no tensor, a function of the mask's program and the sizes
@@ -358,9 +362,13 @@ def _classify_undecided(lowered, traced, blocks, Q_LEN, KV_LEN, q_block, kv_bloc
 # specs, the kernels' arguments) is a function of that key. A training step that builds its
 # mask starts with it, before its first kernels can run (and under mode="reduce-overhead"
 # between two graphs): the op's host time a build of the small model's document mask, H200
-# host, 203 -> 34 us (median; create_block_mask's whole call 312 -> 86).
+# host, 203 -> 34 us (median; create_block_mask's whole call 312 -> 86). A key's replays are
+# kept from its second build on (``_SEEN``): a loop whose every build is new (a decode step's
+# longer cache) makes no Replay it never uses (~12 us each on the dev CPU).
 _REPLAYS: dict = {}
 _REPLAYS_MAX = 64
+_SEEN: set = set()          # keys built once
+_SEEN_MAX = 1024
 
 
 def build(mask_buffers, mask_mod: str, B: int, H: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int,
@@ -374,9 +382,13 @@ def build(mask_buffers, mask_mod: str, B: int, H: int, Q_LEN: int, KV_LEN: int, 
         out = _replayed(found, mask_buffers)
         if out is not None:
             return out
-    kept: list = []
+    kept = [] if key in _SEEN else None
+    if kept is None:
+        if len(_SEEN) >= _SEEN_MAX:
+            _SEEN.clear()
+        _SEEN.add(key)
     out = _build(mask_buffers, mask_mod, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device, kept)
-    if len(kept) == 2 and all(kept):
+    if kept is not None and len(kept) == 2 and all(kept):
         if len(_REPLAYS) >= _REPLAYS_MAX:
             _REPLAYS.clear()
         shape = (2, B, H, -(-Q_LEN // Q_BLOCK), -(-KV_LEN // KV_BLOCK))
