@@ -33,8 +33,10 @@ Environment (set here, before flexgen is imported):
   Triton 3.9 took 896 s with two, 1495 s with one (another load on the machine then).
 
 AOT check: every kernel launched while a test runs (``flexgen.runtime.launch.RECORDED``)
-is compiled for Hopper (``flexgen.runtime.aot.check_compiles``), once per distinct
-(spec key, argument types, constexprs) in the session. A compile error fails the
+is compiled for Hopper (``flexgen.runtime.aot.check_compiles``) as the GPU would compile
+it for that launch (Triton's specialization of its arguments: aligned pointers, ints of 1
+and multiples of 16), once per distinct (spec key, argument types and specialization,
+constexprs) in the session. A compile error fails the
 test that launched the kernel (and every later test that launches the same
 kernel), whatever the order tests run in and whichever subset is selected.
 Triton's own disk cache makes a re-run cheap.
@@ -46,8 +48,8 @@ started with 'spawn' (a child forked from a process with torch's threads would
 inherit their locks in whatever state they were) when the session starts, so they
 see the session's environment (this module's FLEXGEN_CACHE_DIR, Triton's cache
 dir, the PYTHONPATH that picks the Triton under test), not a test's monkeypatched
-one. What crosses is small and picklable: the spec, the argument types as strings
-(``aot.arg_types``) and the constexprs; the worker renders the module from the
+one. What crosses is small and picklable: the spec, the argument types and their
+specialization (``aot.arg_types``) and the constexprs; the worker renders the module from the
 spec as this process does.
 
 How a failure is reported. A kernel whose failure is known when its test ends
@@ -155,7 +157,7 @@ def _compile(spec, args, constexprs, pool=None):
     """The session's compile of one recorded launch: (future, whether it is new). A new one
     runs in ``pool``, or here and now; one outside the run's sample (``aot_sampled``) is not
     compiled (a done future of no error)."""
-    return _compile_types(spec, aot.arg_types(args), constexprs, pool)
+    return _compile_types(spec, aot.arg_types(spec, args, constexprs), constexprs, pool)
 
 
 def _compile_key(spec, types, constexprs) -> tuple:
@@ -165,7 +167,7 @@ def _compile_key(spec, types, constexprs) -> tuple:
 
 
 def _compile_types(spec, types, constexprs, pool=None):
-    """``_compile`` with the arguments' Triton types (``aot.arg_types``)."""
+    """``_compile`` with the arguments' Triton types and specialization (``aot.arg_types``)."""
     if not aot_sampled(spec):
         return _OUTSIDE_SAMPLE, False
     key = _compile_key(spec, types, constexprs)
@@ -360,7 +362,7 @@ def pytest_runtest_call(item):
     _LAUNCHES_BY_MODULE.setdefault(item.module.__name__, []).extend(recorded)
     if RECORD_ONCE and item.get_closest_marker("once") and not item.get_closest_marker("no_aot"):
         for spec, args, constexprs in recorded:
-            types = aot.arg_types(args)
+            types = aot.arg_types(spec, args, constexprs)
             _ONCE_LAUNCHES.setdefault(_compile_key(spec, types, constexprs), (item.nodeid, spec, types, constexprs))
     if AOT_ENABLED and recorded and not item.get_closest_marker("no_aot"):
         if _AOT_POOL:

@@ -66,6 +66,29 @@ def test_real_kernel_compiles_for_hopper(every_spec):
     assert compile_recorded([(spec, args, constexprs)]) == 0, "a compiled kernel is not compiled twice"
 
 
+def test_the_check_compiles_the_kernel_the_gpu_compiles(every_spec):
+    """A recorded launch keeps what Triton's JIT specializes a launch on (each pointer's 16-byte
+    alignment, ints of 1 and multiples of 16), so the check compiles the kernel a GPU compiles
+    for that launch: the same specialization as Triton's binder gives the real arguments."""
+    from flexgen.runtime import driver
+    q, k, v = make_qkv(B=1, H=1, L=40, D=32)
+    misaligned = torch.randn(q.numel() + 1)[1:].view(q.shape)      # 4 bytes past an aligned address
+    misaligned.copy_(q)
+    for query in (q, misaligned):
+        with aot.recording() as launches:
+            flex_attention(query, k, v, score_mod=M.tanh_softcap(9.0))
+        (spec, recorded, constexprs), = launches
+        module = cache.load(spec, interpret=False)
+        real = module.arguments(q=query, k=k, v=v, out=torch.empty_like(query), lse=torch.empty(1, 1, 40),
+                                sparse=None, score_buffers=(), mask_buffers=(), scale=0.125,
+                                max_scores=None)[1]
+        types = aot.arg_types(spec, recorded, constexprs)
+        assert types == tuple(driver.specialization(
+            module, real, aot._gpu_constexprs(spec, module, constexprs), aot.HOPPER)[:len(real)])
+        assert ("constexpr", 1) in types                             # a stride of 1
+        assert (types[0][1] == "D") == (query is q)                  # the query's pointer
+
+
 def test_fp_fusion_stays_on_whatever_tritons_default(every_spec, monkeypatch):
     # Triton 3.10 turns FP fusion off by default; flexgen's kernels were tuned with it on.
     from triton import knobs
@@ -149,8 +172,9 @@ def test_a_recorded_launch_compiles_in_another_pass(every_spec, monkeypatch, tmp
     (spec, args, constexprs), _ = one_launch()
     broken = dataclasses.replace(spec, score=Snippet((), "qk + not_in_the_recorded_kernel", "float"))
     record = tmp_path / "launches.pkl"
-    record.write_bytes(pickle.dumps([("tests/a.py::good", spec, aot.arg_types(args), constexprs),
-                                     ("tests/b.py::broken", broken, aot.arg_types(args), constexprs)]))
+    types = aot.arg_types(spec, args, constexprs)
+    record.write_bytes(pickle.dumps([("tests/a.py::good", spec, types, constexprs),
+                                     ("tests/b.py::broken", broken, types, constexprs)]))
     monkeypatch.setattr(conftest, "_RECORDED_COMPILES", [])
     conftest._compile_the_record(record)
     lines = []

@@ -200,6 +200,7 @@ def test_a_triton_with_other_jit_internals_is_declined(monkeypatch):
     declines (None: Triton's own launch path runs) instead of failing the call."""
     import triton.runtime.jit as jit
     monkeypatch.delattr(jit, "create_function_from_signature")
+    monkeypatch.setattr(driver, "_BINDERS", {})         # (none made before it went)
     monkeypatch.setattr(driver, "target", lambda device_index: aot.HOPPER)
     module = types.SimpleNamespace(KERNEL=_scale_kernel, NUM_WARPS=4, NUM_STAGES=2)
     args = [torch.randn(64), torch.empty(64), 50, 1, 0.5, 3]

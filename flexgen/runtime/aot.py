@@ -4,7 +4,10 @@
 cubin through the ptxas that ships with Triton) without a GPU, so a compile
 error in a generated kernel shows up on a CPU-only machine too. The tests
 record every launch (``flexgen.launch.RECORDED``) and compile each distinct
-kernel here for Hopper (sm_90).
+kernel here for Hopper (sm_90), specialized as Triton's JIT specializes that
+launch on a GPU (``arg_types``): the kernel the GPU would compile, not a more
+general one (the specialization changes the code: a `tl` backward kernel that
+spills 268 bytes as the GPU compiles it spilled 2488 unspecialized).
 """
 from __future__ import annotations
 
@@ -53,23 +56,31 @@ def _arg_type(value) -> str:
     raise TypeError(f"no Triton type for kernel argument {value!r}")
 
 
-def arg_types(args) -> tuple:
-    """The Triton types of a launch's arguments, as strings ("*bf16", "i32", "tensordesc<...>"):
-    all the compile reads of them (``compile_signature``)."""
-    return tuple(_arg_type(a) for a in args)
+def arg_types(spec, args, constexprs) -> tuple:
+    """Per argument of one launch of ``spec``'s kernel, (Triton type, specialization) as Triton's
+    JIT binds it on a GPU (``driver.specialization``): ("*bf16", "D") for a pointer taken as
+    16-byte aligned, ("i32", "D") for a multiple of 16, ("constexpr", 1) for an int of 1,
+    ("tensordesc<...>", None) for a host descriptor. All the compile reads of the arguments
+    (``compile_signature``), so the check compiles the kernel the GPU compiles for this launch.
+    Where this Triton's binder is not the one flexgen reproduces, the types alone (None: the
+    kernel unspecialized). ``args`` may be a recorded launch's (``launch._recorded``)."""
+    module = cache.load(spec, interpret=False)
+    try:
+        bound = driver.specialization(module, args, _gpu_constexprs(spec, module, constexprs), HOPPER)
+    except driver.Unsupported:
+        return tuple((_arg_type(a), None) for a in args)
+    return tuple(bound[:len(args)])
 
 
 def compile_launch(spec, args, constexprs, target=HOPPER):
-    """Compile the kernel of ``spec`` for ``target`` with the argument types of one launch."""
-    return compile_signature(spec, arg_types(args), constexprs, target)
+    """Compile the kernel of ``spec`` for ``target`` as the GPU would for this launch."""
+    return compile_signature(spec, arg_types(spec, args, constexprs), constexprs, target)
 
 
-def compile_signature(spec, types, constexprs, target=HOPPER):
-    """Compile the kernel of ``spec`` for ``target`` with the argument types ``types`` (strings,
-    ``arg_types``). Everything it takes is small and picklable, so another process can run it."""
-    module = cache.load(spec, interpret=False)
-    kernel = module.KERNEL
-    names = kernel.arg_names
+def _gpu_constexprs(spec, module, constexprs: dict) -> dict:
+    """A recorded launch's constexprs as the GPU launches the kernel (``launch._mode_constexprs``;
+    fp32 dots as the GPU plans them)."""
+    names = module.KERNEL.arg_names
     if "DOT_UPCAST" in names:
         constexprs = dict(constexprs, DOT_UPCAST=False)   # the GPU path, not the interpreter's
     if constexprs.get("DOT_PRECISION") == "ieee" and spec.dtype == "float32":
@@ -80,14 +91,35 @@ def compile_signature(spec, types, constexprs, target=HOPPER):
     if "EXACT_SIGMOID" in names:
         # tanh.approx for half inputs, as the GPU runs it (launch._launch_once)
         constexprs = dict(constexprs, EXACT_SIGMOID=not cache.half_inputs(spec))
+    return constexprs
+
+
+def compile_signature(spec, types, constexprs, target=HOPPER):
+    """Compile the kernel of ``spec`` for ``target`` with the arguments ``types`` (``arg_types``:
+    types and Triton's specialization). Everything it takes is small and picklable, so another
+    process can run it."""
+    from triton.compiler import make_backend
+    module = cache.load(spec, interpret=False)
+    kernel = module.KERNEL
+    names = kernel.arg_names
+    constexprs = _gpu_constexprs(spec, module, constexprs)
     if len(types) + len(constexprs) != len(names):
         raise ValueError(f"{spec.kernel_name}: a launch recorded {len(types)} arguments and "
                          f"{len(constexprs)} constexprs, the kernel takes {len(names)}")
-    signature = dict(zip(names, types))
-    signature.update({name: "constexpr" for name in constexprs})
+    # As Triton's JIT packs a bound launch (JITFunction._pack_args): the types, the ints of 1
+    # as constants, the attributes (divisibility) parsed by the backend.
+    backend = make_backend(target)
+    signature, constants, attrs = {}, {}, {}
+    for i, name in enumerate(names):
+        ty, attr = types[i] if i < len(types) else ("constexpr", constexprs[name])
+        signature[name] = ty
+        if ty == "constexpr":
+            constants[(i,)] = attr
+        elif isinstance(attr, str):
+            attrs[(i,)] = backend.parse_attr(attr)
     gluon = getattr(kernel, "is_gluon", lambda: False)()
     source = (GluonASTSource if gluon else ASTSource)(fn=kernel, signature=signature,
-                                                     constexprs=dict(constexprs))
+                                                     constexprs=constants, attrs=attrs)
     compiler_key.install()
     return triton.compile(source, target=target, options=driver.compile_options(module))
 

@@ -129,27 +129,57 @@ def compile_for_device(module, args, constexprs: dict, target):
     packing differ it raises ``Unsupported``, and ``load`` declines (Triton's JIT then
     launches the kernel). Compile errors propagate as they are."""
     import triton
-    from triton import knobs
-    from triton.compiler import ASTSource, make_backend
+    from triton.compiler import ASTSource
 
     kernel = module.KERNEL
-    backend = make_backend(target)
-    options = dict(constexprs, **compile_options(module),
-                   debug=kernel.debug or knobs.runtime.debug,
-                   instrumentation_mode=knobs.compilation.instrumentation_mode)
+    backend, options, (bound, specialization, options_in) = _bind(module, args, constexprs, target)
     try:
-        from triton.runtime.jit import create_function_from_signature
-        binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-        bound, specialization, options_in = binder(*args, **options)
         parsed, signature, fixed, attrs = kernel._pack_args(backend, options, bound,
                                                             specialization, options_in)
-    except (ImportError, AttributeError, TypeError, ValueError) as exc:
+    except (AttributeError, TypeError, ValueError) as exc:
         raise Unsupported(f"{type(exc).__name__}: {exc}") from exc
     source_class = ASTSource
     if getattr(kernel, "is_gluon", lambda: False)():
         from triton.experimental.gluon._runtime import GluonASTSource as source_class
     source = source_class(kernel, signature, fixed, attrs)
     return triton.compile(source, target=target, options=parsed.__dict__)
+
+
+def specialization(module, args, constexprs: dict, target) -> list:
+    """Triton's JIT specialization of a launch of ``module.KERNEL`` with ``args`` (its binder's):
+    per parameter (type, attribute), e.g. ("*bf16", "D") for a pointer taken as 16-byte aligned,
+    ("i32", "D") for a multiple of 16, ("constexpr", 1) for an int of 1. Raises ``Unsupported``
+    where this Triton's binder differs (``compile_for_device``)."""
+    return _bind(module, args, constexprs, target)[2][1]
+
+
+def _bind(module, args, constexprs: dict, target) -> tuple:
+    """(backend, the compile's options, Triton's binder's (bound arguments, specialization,
+    options)) of a launch, as Triton's JIT binds it; ``Unsupported`` where its internals differ."""
+    from triton import knobs
+    from triton.compiler import make_backend
+    kernel = module.KERNEL
+    backend = make_backend(target)
+    options = dict(constexprs, **compile_options(module),
+                   debug=kernel.debug or knobs.runtime.debug,
+                   instrumentation_mode=knobs.compilation.instrumentation_mode)
+    try:
+        binder = _BINDERS.get((kernel, str(target)))
+        if binder is None:
+            from triton.runtime.jit import create_function_from_signature
+            binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+            if len(_BINDERS) >= _BINDERS_MAX:
+                _BINDERS.clear()
+            _BINDERS[(kernel, str(target))] = binder
+        return backend, options, binder(*args, **options)
+    except (ImportError, AttributeError, TypeError, ValueError) as exc:
+        raise Unsupported(f"{type(exc).__name__}: {exc}") from exc
+
+
+# (kernel, target) -> Triton's binder of its arguments (generated code: ~0.3 ms to make; the
+# test suite binds every recorded launch, ``aot.arg_types``)
+_BINDERS: dict = {}
+_BINDERS_MAX = 256
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -503,4 +533,5 @@ def _current_context(device_index: int) -> None:
 
 def clear_memos() -> None:
     _ENCODED.clear()
+    _BINDERS.clear()
     _packer_code.cache_clear()

@@ -113,11 +113,13 @@ def run(spec: KernelSpec, device: torch.device, inputs: dict, tune_blocks: tuple
 
 def _recorded(arg):
     """What a recorded launch keeps of an argument: a tensor (also a descriptor's base) as an
-    empty meta tensor of its dtype, all the ahead-of-time compile reads. Holding the real one
-    kept memory of a CUDA graph's pool alive past the graph (torch.compile's reduce-overhead
-    refuses that)."""
+    empty meta tensor of its dtype, at an address as aligned as the tensor's (a meta tensor's
+    is its offset; Triton specializes a pointer on its 16-byte alignment): all the
+    ahead-of-time compile reads. Holding the real one kept memory of a CUDA graph's pool
+    alive past the graph (torch.compile's reduce-overhead refuses that)."""
     if isinstance(arg, torch.Tensor):
-        return torch.empty(0, dtype=arg.dtype, device="meta")
+        stand_in = torch.empty(2, dtype=arg.dtype, device="meta")     # (an empty one's is 0)
+        return stand_in[:1] if arg.data_ptr() % 16 == 0 else stand_in[1:]
     if isinstance(getattr(arg, "base", None), torch.Tensor):     # a TMA descriptor
         stand_in = copy.copy(arg)
         object.__setattr__(stand_in, "base", _recorded(arg.base))
