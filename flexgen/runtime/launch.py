@@ -112,9 +112,9 @@ def run(spec: KernelSpec, device: torch.device, inputs: dict, tune_blocks: tuple
 
 
 def _recorded(arg):
-    """What a recorded launch keeps of an argument: a tensor (also a descriptor's base) as an
-    empty meta tensor of its dtype, at an address as aligned as the tensor's (a meta tensor's
-    is its offset; Triton specializes a pointer on its 16-byte alignment): all the
+    """What a recorded launch keeps of an argument: a tensor (also a descriptor's base) as a
+    one-element meta tensor of its dtype, at an address as aligned as the tensor's (a meta
+    tensor's is its offset; Triton specializes a pointer on its 16-byte alignment): all the
     ahead-of-time compile reads. Holding the real one kept memory of a CUDA graph's pool
     alive past the graph (torch.compile's reduce-overhead refuses that)."""
     if isinstance(arg, torch.Tensor):
