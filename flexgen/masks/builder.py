@@ -375,6 +375,8 @@ def build(mask_buffers, mask_mod: str, B: int, H: int, Q_LEN: int, KV_LEN: int, 
           KV_BLOCK: int, device) -> torch.Tensor:
     """The lists of a mask_mod (its program text and captured tensors) over
     ``[B, H, Q_LEN, KV_LEN]`` in blocks of ``Q_BLOCK x KV_BLOCK``, laid out by ``layout``."""
+    if torch.device(device).type not in SYNC_FREE_DEVICES:      # (no kernel launch to replay)
+        return _build(mask_buffers, mask_mod, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device, None)
     key = (mask_mod, *[(t.dtype, t.shape, t.stride(), t.device) for t in mask_buffers],
            B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device)
     found = _REPLAYS.get(key)
