@@ -244,6 +244,24 @@ def test_few_queries_take_the_decode_kernel_unchanged():
         enable_gqa=True)
 
 
+def test_aten_index_and_numpy_scalars():
+    """torch.ops.aten.index(t, [h, kv_idx]) is t[h, kv_idx] (PyTorch's tests spell loads so; a
+    None leaves a dim whole), and numpy scalars (np.float32, np.int64) act as the Python numbers
+    torch takes them for (they once raised a TraceError, aten.index an AttributeError)."""
+    np = pytest.importorskip("numpy")
+    bias = torch.randn(2, 40)
+    slopes = np.geomspace(0.5, 0.05, 2).astype(np.float32)
+
+    def loads(score, b, h, q_idx, kv_idx):
+        return (score * np.float32(0.5) + aten.index(bias, [h, kv_idx])
+                + aten.index(bias, [None, q_idx])[h] + (q_idx - kv_idx) * slopes[1])
+
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx <= np.int64(12)) & (aten.index.Tensor(bias, [h, kv_idx]) > -1.5)
+
+    run(*make_qkv(L=40, D=16), loads, window)
+
+
 # --- call sites ------------------------------------------------------------------------------
 
 def test_return_aux_lse_and_max_scores():
@@ -475,6 +493,9 @@ def test_unsupported_constructs_name_the_mod_construct_and_fix():
     def cumulative(score, b, h, q_idx, kv_idx):
         return torch.cumsum(score, 0)
 
+    def stacked(score, b, h, q_idx, kv_idx):
+        return torch.stack([score, score * 2]).amax(0)
+
     assert_error(lambda: flex_attention(q, k, v, custom_op_softcap), TraceError, "custom_op_softcap",
                  "custom operator 'flexgen_compat_test::fast_tanh", "torch functions")
     assert_error(lambda: flex_attention(q, k, v, custom_backward), TraceError, "custom_backward",
@@ -483,4 +504,7 @@ def test_unsupported_constructs_name_the_mod_construct_and_fix():
                  "more than the 64", "outside the mod")
     assert_error(lambda: flex_attention(q, k, v, cumulative), TraceError, "cumulative",
                  "cumsum", "not supported")
+    # A list of traced values (torch.stack) names the mod too (it raised an AttributeError).
+    assert_error(lambda: flex_attention(q, k, v, stacked), TraceError, "stacked", "stack",
+                 "not supported")
     assert isinstance(TraceError("x"), FlexgenError)

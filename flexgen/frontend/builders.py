@@ -3,6 +3,8 @@ torch.where, casts, constants) appends one line with the kind torch's promotion 
 ``_METHODS`` maps the tensor methods a mod may call to them."""
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from .program import COMPARISONS, KIND_OF_DTYPE, UNARY, _RANK
@@ -24,6 +26,12 @@ def _tracer_of(*values) -> _Tracer | None:
     for v in values:
         if isinstance(v, (Proxy, View, Row)):
             return v._tracer
+        # Calls that take a list of tensors (torch.stack, aten.index's indices) hold
+        # traced values one level down: the error for an unsupported one must name the mod.
+        if isinstance(v, (list, tuple)):
+            found = _tracer_of(*v)
+            if found is not None:
+                return found
     return None
 
 
@@ -39,10 +47,22 @@ def _const(tracer: _Tracer, value) -> Proxy:
     return _proxy(tracer, f"const f {float(value)!r}", "f")
 
 
+def _plain(value):
+    """A numpy scalar (np.float32(0.5), np.int64(2): hyperparameters read from numpy arrays)
+    as the Python number torch takes it for; any other value as it is."""
+    if isinstance(value, numbers.Number) and not isinstance(value, (bool, int, float)):
+        if isinstance(value, numbers.Integral):
+            return int(value)
+        if isinstance(value, numbers.Real):
+            return float(value)
+    return value
+
+
 def _operand(tracer: _Tracer, value) -> Proxy:
     """A proxy for a proxy, a captured 0-d tensor, or a Python number."""
     if isinstance(value, Proxy):
         return value
+    value = _plain(value)
     if isinstance(value, View):
         value._not_a_value()
     if isinstance(value, Row):
@@ -65,6 +85,7 @@ def _kind(value) -> str:
         return value._kind
     if isinstance(value, torch.Tensor):
         return KIND_OF_DTYPE.get(value.dtype, "f")
+    value = _plain(value)
     if isinstance(value, bool):
         return "b"
     if isinstance(value, int):
@@ -112,6 +133,7 @@ def _binary(op: str, a, b) -> Proxy:
 
 
 def _negative_const(value) -> bool:
+    value = _plain(value)
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0
 
 

@@ -127,6 +127,10 @@ def _functions() -> dict:
     add(lambda x, *a, **k: _operand(_tracer_of(x), x), *aten_op("alias"), *aten_op("clone"),
         *aten_op("detach"), *aten_op("lift_fresh"))
     table[torch.Tensor.__getitem__] = table[operator.getitem] = _getitem
+    # aten.index(t, [i, j]) is t[i, j] (PyTorch's own FlexAttention tests spell loads so);
+    # a None in the list leaves that dim whole, as a ':' does.
+    add(lambda t, indices: _getitem(t, tuple(slice(None) if i is None else i for i in indices)),
+        *aten_op("index"))
     for name in ("sum", "mean", "amax", "amin", "max", "min", "any", "all", "prod", "argmax",
                  "argmin", "norm", "dot"):
         add(_reducing(name), getattr(torch, name, None), getattr(torch.Tensor, name, None))
@@ -253,8 +257,7 @@ class _TraceMode(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _tracer_of(*args, *kwargs.values()) is None and not any(
-                isinstance(a, tuple) and _tracer_of(*a) is not None for a in args):
+        if _tracer_of(*args, *kwargs.values()) is None:
             if func in _READS_VALUE:
                 self.tracer.derived = True
             return func(*args, **kwargs)
