@@ -262,6 +262,32 @@ def test_aten_index_and_numpy_scalars():
     run(*make_qkv(L=40, D=16), loads, window)
 
 
+def test_rounding_and_more_activations():
+    """torch.round (halves to even, exact next to a half and past 2**23), trunc, frac, fix,
+    clamp_min / clamp_max, log10, integer fmod and F.hardtanh, relu6, hardsigmoid,
+    hardswish, softsign, mish, selu, celu: as torch computes them, with their gradients."""
+    edge = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 0.49999997, -0.49999997, 8388609.0, -3.7,
+                         2.4999998, 16777216.0, -1.0000001] * 4)
+    rounded, truncated, fractions = torch.round(edge), torch.trunc(edge), torch.frac(edge)
+
+    def rounding(b, h, q_idx, kv_idx):
+        x = edge[kv_idx]
+        exact = ((torch.round(x) == rounded[kv_idx]) & (x.trunc() == truncated[kv_idx])
+                 & (torch.frac(x) == fractions[kv_idx]) & (torch.fix(x) == truncated[kv_idx]))
+        return exact & (torch.fmod(q_idx - kv_idx, 5) != -3)
+
+    def activations(score, b, h, q_idx, kv_idx):
+        x = score * 3
+        return (F.hardtanh(x, -2.0, 0.5) + F.relu6(x) + F.hardsigmoid(x) + F.hardswish(x)
+                + F.softsign(x) + F.mish(x) + F.selu(x) + F.celu(x, 0.5) + x.clamp_min(-0.5)
+                + torch.clamp_max(x, 0.7) + torch.log10(q_idx + 1.0) * 0.1)
+
+    q, k, v = make_qkv(L=48, D=16)
+    run(q, k, v, activations, rounding)
+    assert_error(lambda: flex_attention(q, k, v, lambda score, b, h, q_idx, kv_idx: torch.fmod(score, 0.3)),
+                 TraceError, "fmod of float values", "torch.remainder")
+
+
 # --- call sites ------------------------------------------------------------------------------
 
 def test_return_aux_lse_and_max_scores():

@@ -367,6 +367,40 @@ def _div(x, o, rounding_mode):
                       "use rounding_mode='floor' (or //), 'trunc', or plain /")
 
 
+def _trunc(x):
+    """Rounding toward zero (an integer is its own)."""
+    return _where(_binary("lt", x, 0), _unary("ceil", x), _unary("floor", x))
+
+
+@_elementwise
+def _round(x, *args, decimals=0, **kwargs):
+    """torch.round: to the nearest integer, halves to the even one. From the fraction
+    x - floor(x), which is exact, rather than floor(x + 0.5), which rounds for x close to a
+    half (0.49999997 + 0.5 is 1.0 in float32) and beyond 2**23 (where x is an integer)."""
+    tracer = _tracer_of(x)
+    if args or decimals:
+        raise tracer.fail("torch.round with decimals", "scale by 10**decimals, round, and divide back")
+    if _operand(tracer, x)._kind != "f":
+        return x
+    low = _unary("floor", x)
+    fraction = _binary("sub", x, low)
+    odd = _binary("ne", _binary("sub", low, _binary("mul", _unary("floor", _binary("mul", low, 0.5)), 2.0)), 0.0)
+    up = _logical("or", _binary("gt", fraction, 0.5), _logical("and", _binary("eq", fraction, 0.5), odd))
+    return _where(up, _binary("add", low, 1.0), low)
+
+
+@_elementwise
+def _fmod(a, b):
+    """torch.fmod of integers: the remainder of the division rounded toward zero (its sign
+    is a's). Floats are refused: a - trunc(a / b) * b is not exact where a / b rounds across
+    an integer (fmod(0.3, 0.1)), which torch's fmod is."""
+    tracer = _tracer_of(a, b)
+    if _operand(tracer, a)._kind == "f" or _operand(tracer, b)._kind == "f":
+        raise tracer.fail("torch.fmod of float values",
+                          "use torch.remainder (or %), or integer operands")
+    return _binary("sub", a, _binary("mul", _div(a, b, "trunc"), b))
+
+
 def _tensor_method(name):
     """The torch-namespace function ``torch.<name>(x, ...)`` for a tensor method."""
     method = _METHODS[name]

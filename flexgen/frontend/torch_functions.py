@@ -113,6 +113,28 @@ def _functions() -> dict:
     add(lambda x, mask, value: _where(mask, value, x), torch.masked_fill, torch.Tensor.masked_fill,
         *aten_op("masked_fill"))
     add(_clamp, torch.clamp, torch.clip, torch.Tensor.clamp, torch.Tensor.clip, *aten_op("clamp"))
+    add(lambda x, min: _clamp(x, min=min), torch.clamp_min, torch.Tensor.clamp_min, *aten_op("clamp_min"))
+    add(lambda x, max: _clamp(x, max=max), torch.clamp_max, torch.Tensor.clamp_max, *aten_op("clamp_max"))
+    add(lambda x, *a, **k: _trunc(x), torch.trunc, torch.Tensor.trunc, torch.fix, torch.Tensor.fix,
+        *aten_op("trunc"), *aten_op("fix"))
+    add(lambda x, *a, **k: _binary("sub", x, _trunc(x)), torch.frac, torch.Tensor.frac, *aten_op("frac"))
+    add(_round, torch.round, torch.Tensor.round, *aten_op("round"))
+    # log10(x) = log2(x) * log10(2): within an ulp or two of torch's log10.
+    add(lambda x, *a, **k: _binary("mul", _unary("log2", x), math.log10(2.0)), torch.log10,
+        torch.Tensor.log10, *aten_op("log10"))
+    add(_fmod, torch.fmod, torch.Tensor.fmod, *aten_op("fmod"))
+    # More of torch.nn.functional's activations (a score_mod such as attention-gym's
+    # log(activation(score) + offset) takes any of them), each as torch defines it.
+    add(lambda x, min_val=-1.0, max_val=1.0, *a, **k: _clamp(x, min_val, max_val), F.hardtanh,
+        *aten_op("hardtanh"))
+    add(lambda x, *a, **k: _clamp(x, 0.0, 6.0), F.relu6, *aten_op("relu6"))
+    add(lambda x, *a, **k: _hardsigmoid(x), F.hardsigmoid, *aten_op("hardsigmoid"))
+    add(lambda x, *a, **k: _binary("mul", x, _hardsigmoid(x)), F.hardswish, *aten_op("hardswish"))
+    add(lambda x: _binary("truediv", x, _binary("add", _unary("abs", x), 1.0)), F.softsign)
+    add(lambda x, *a, **k: _binary("mul", x, _unary("tanh", _softplus(x))), F.mish, *aten_op("mish"))
+    add(lambda x, *a, **k: _binary("mul", _SELU_SCALE, _elu(x, _SELU_ALPHA)), F.selu, torch.selu,
+        *aten_op("selu"))
+    add(_celu, F.celu, torch.celu, *aten_op("celu"))
     add(_to, torch.Tensor.to, torch.Tensor.type)
     add(lambda x, dtype=None, *a, **k: _cast(x, dtype), *aten_op("_to_copy"))
     for name, dtype in (("float", torch.float32), ("double", torch.float32), ("half", torch.float32),
@@ -150,6 +172,20 @@ def _functions() -> dict:
 def _elu(x, alpha=1.0, *args, **kwargs):
     """F.elu (the linear-attention feature map elu(x) + 1): x above 0, alpha * (exp(x) - 1) below."""
     return _where(_binary("gt", x, 0.0), x, _binary("mul", alpha, _binary("sub", _unary("exp", x), 1.0)))
+
+
+_SELU_ALPHA, _SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
+
+
+def _celu(x, alpha=1.0, *args, **kwargs):
+    """F.celu: x above 0, alpha * (exp(x / alpha) - 1) below."""
+    below = _binary("mul", alpha, _binary("sub", _unary("exp", _binary("truediv", x, alpha)), 1.0))
+    return _where(_binary("gt", x, 0.0), x, below)
+
+
+def _hardsigmoid(x):
+    """F.hardsigmoid as torch computes it: relu6(x + 3) / 6."""
+    return _binary("truediv", _clamp(_binary("add", x, 3.0), 0.0, 6.0), 6.0)
 
 
 def _gelu(x, approximate="none"):
@@ -217,7 +253,9 @@ _FUNCTION_NAMES = set(UNARY) | {"where", "clamp", "minimum", "maximum", "masked_
                                 "gelu", "softplus", "logsigmoid", "leaky_relu", "square",
                                 "reciprocal", "log1p", "expm1", "lerp", "logaddexp", "logaddexp2",
                                 "isinf", "isposinf", "isneginf", "isnan", "isfinite",
-                                "full_like"}
+                                "full_like", "clamp_min", "clamp_max", "trunc", "frac", "round",
+                                "log10", "fmod", "elu", "celu", "selu", "hardtanh", "relu6",
+                                "hardsigmoid", "hardswish", "softsign", "mish"}
 
 
 def _torch_function(func, args, kwargs):
@@ -283,8 +321,8 @@ def _qualified(func) -> str:
 from .proxy import Proxy, Row, _Tracer, View  # noqa: E402
 from .rows import _index  # noqa: E402
 from .builders import (  # noqa: E402
-    _binary, _cast, _clamp, _div, _full_like, _invert, _like, _logical, _METHODS, _operand, _to,
-    _tracer_of, _unary, _where)
+    _binary, _cast, _clamp, _div, _fmod, _full_like, _invert, _like, _logical, _METHODS, _operand,
+    _round, _to, _tracer_of, _trunc, _unary, _where)
 
 # Built at import (~2 ms): torch.compile traces the lookups, but not the building.
 _FUNCTIONS = _functions()
