@@ -288,6 +288,30 @@ def test_rounding_and_more_activations():
                  TraceError, "fmod of float values", "torch.remainder")
 
 
+def test_small_captured_tensors_met_whole_and_searchsorted():
+    """A small captured tensor met whole by a traced value broadcasts into a row, as in torch:
+    (offsets <= q_idx).sum(), torch.searchsorted(offsets, q_idx, right=True) and
+    torch.bucketize (document ids from the offsets alone, no per-token table); .to(other)
+    still casts. A large one used whole is still an error that says to index it."""
+    offsets = torch.tensor([0, 10, 30, 48])
+    per_batch = torch.tensor([[0, 20, 25, 48], [0, 5, 40, 48]], dtype=torch.int32)
+    edges = torch.tensor([-0.5, 0.0, 0.7])
+    table = torch.randn(48, 48)
+
+    def documents(b, h, q_idx, kv_idx):
+        same = torch.searchsorted(offsets, q_idx, right=True) == torch.bucketize(kv_idx, offsets, right=True)
+        return (same & (q_idx >= kv_idx)) | ((per_batch[b] <= q_idx).sum() == (per_batch[b] <= kv_idx).sum())
+
+    def buckets(score, b, h, q_idx, kv_idx):
+        return (score + torch.bucketize(score, edges) * 0.3 + torch.searchsorted(per_batch[b], kv_idx) * 0.1
+                + (q_idx - kv_idx).to(edges) * 0.01)
+
+    q, k, v = make_qkv(B=2, L=48, D=16)
+    run(q, k, v, buckets, documents)
+    assert_error(lambda: flex_attention(q, k, v, lambda score, b, h, q_idx, kv_idx: score + table),
+                 TraceError, "shape [48, 48] was used as a value", "index it")
+
+
 # --- call sites ------------------------------------------------------------------------------
 
 def test_return_aux_lse_and_max_scores():

@@ -10,14 +10,32 @@ import torch
 from .program import COMPARISONS, KIND_OF_DTYPE, UNARY, _RANK
 
 
-def _elementwise(fn):
-    """Lets a builder of one traced value take rows: then it builds one value per element."""
+def _elementwise(fn=None, *, whole=True):
+    """Lets a builder of one traced value take rows: then it builds one value per element.
+    ``whole=False`` for a builder whose tensor arguments are not values (``.to(other)``)."""
+    if fn is None:
+        return lambda f: _elementwise(f, whole=whole)
+
     def wrapped(*args, **kwargs):
+        tracer = _tracer_of(*args, *kwargs.values()) if whole else None
+        if tracer is not None:
+            args = tuple(_whole(tracer, v) for v in args)
+            kwargs = {k: _whole(tracer, v) for k, v in kwargs.items()}
         if any(isinstance(v, (Row, View)) for v in (*args, *kwargs.values())):
             return _map_rows(fn, args, kwargs)
         return fn(*args, **kwargs)
     wrapped.__name__, wrapped.__doc__ = fn.__name__, fn.__doc__
     return wrapped
+
+
+def _whole(tracer: _Tracer, value):
+    """A small captured tensor met whole by a traced value is a row, as torch broadcasts it:
+    ``(offsets <= q_idx).sum()`` counts the offsets at or before the query (a document id
+    without a table). A larger one stays a tensor, for ``_operand``'s error to say how to index it."""
+    if (isinstance(value, torch.Tensor) and not isinstance(value, (View, Row)) and value.dim()
+            and value.numel() <= ROW_LIMIT):
+        return View(tracer, value, ())
+    return value
 
 
 # ---------------------------------------------------------------------------- building lines
@@ -191,7 +209,7 @@ def _clamp(x, min=None, max=None) -> Proxy:
     return _operand(_tracer_of(x, min, max), out)
 
 
-@_elementwise
+@_elementwise(whole=False)
 def _cast(x, dtype) -> Proxy:
     tracer = _tracer_of(x)
     p = _operand(tracer, x)
@@ -220,7 +238,7 @@ def _to(x, *args, **kwargs) -> Proxy:
     return _cast(x, dtype)
 
 
-@_elementwise
+@_elementwise(whole=False)
 def _full(like, value, dtype=None) -> Proxy:
     """A constant with torch's dtype for ``x.new_full((), value)`` and friends."""
     tracer = _tracer_of(like)
@@ -408,6 +426,6 @@ def _tensor_method(name):
 
 
 # Imported after this module's definitions: the note at the end of proxy.py says why.
-from .proxy import _MinMax, Proxy, Row, _Tracer, View  # noqa: E402
+from .proxy import _MinMax, Proxy, ROW_LIMIT, Row, _Tracer, View  # noqa: E402
 from .rows import _index, _map_rows, _row_used_as_value  # noqa: E402
 from . import torch_functions  # noqa: E402  (its table, read at call time)

@@ -226,6 +226,8 @@ class View(_Operators):
         return self._tensor.dtype
 
     def _what(self) -> str:
+        if not self._indices:         # met whole by a traced value (builders._whole)
+            return f"a captured tensor of shape {list(self.shape)}, not indexed,"
         return f"a partly indexed captured tensor (shape {list(self.shape)} left)"
 
     def _row(self) -> "Row":

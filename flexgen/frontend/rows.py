@@ -196,7 +196,8 @@ def _reduced_dims(tracer: _Tracer, ndim: int, dim, what: str) -> list:
 def _row_used_as_value(row: "Row"):
     return row._tracer.fail(
         f"{row._what} was used where one value is needed (it has shape {list(row._shape)})",
-        "index every dimension (bias[b, q_idx], or bias[b][q_idx]), or reduce the rest to one "
+        "index every dimension with traced positions (bias[h, q_idx], bias[b][q_idx]), or reduce "
+        "the rest to one "
         "value with .sum(-1) / .max() / .any(-1) / torch.dot(a, b)")
 
 

@@ -123,6 +123,9 @@ def _functions() -> dict:
     add(lambda x, *a, **k: _binary("mul", _unary("log2", x), math.log10(2.0)), torch.log10,
         torch.Tensor.log10, *aten_op("log10"))
     add(_fmod, torch.fmod, torch.Tensor.fmod, *aten_op("fmod"))
+    add(_searchsorted, torch.searchsorted, *aten_op("searchsorted"))
+    add(lambda x, boundaries, *, out_int32=False, right=False: _searchsorted(boundaries, x, right=right),
+        torch.bucketize, *aten_op("bucketize"))
     # More of torch.nn.functional's activations (a score_mod such as attention-gym's
     # log(activation(score) + offset) takes any of them), each as torch defines it.
     add(lambda x, min_val=-1.0, max_val=1.0, *a, **k: _clamp(x, min_val, max_val), F.hardtanh,
@@ -186,6 +189,24 @@ def _celu(x, alpha=1.0, *args, **kwargs):
 def _hardsigmoid(x):
     """F.hardsigmoid as torch computes it: relu6(x + 3) / 6."""
     return _binary("truediv", _clamp(_binary("add", x, 3.0), 0.0, 6.0), 6.0)
+
+
+def _searchsorted(sorted_sequence, values, *, out_int32=False, right=False, side=None, sorter=None):
+    """torch.searchsorted of a traced value in a small sorted captured tensor (or a row of one,
+    ``offsets[b]``): the number of entries before it, (sequence < value).sum(), or at or
+    before it with right=True. A document id from the offsets alone: searchsorted(offsets,
+    q_idx, right=True) - 1. Unrolled as a row, so at most ROW_LIMIT entries."""
+    tracer = _tracer_of(sorted_sequence, values)
+    if sorter is not None:
+        raise tracer.fail("torch.searchsorted with a sorter",
+                          "sort the captured sequence outside the mod and search the sorted one")
+    if not isinstance(values, Proxy) or isinstance(sorted_sequence, (Proxy, Row)) \
+            or sorted_sequence.dim() != 1:
+        raise tracer.fail("torch.searchsorted / bucketize other than of one traced value in a 1-D "
+                          "captured tensor", "search a 1-D captured tensor (or a row of one, "
+                          "offsets[b]) for a traced value")
+    before = _binary("le" if right or side == "right" else "lt", sorted_sequence, values)
+    return before.sum()
 
 
 def _gelu(x, approximate="none"):
@@ -255,7 +276,8 @@ _FUNCTION_NAMES = set(UNARY) | {"where", "clamp", "minimum", "maximum", "masked_
                                 "isinf", "isposinf", "isneginf", "isnan", "isfinite",
                                 "full_like", "clamp_min", "clamp_max", "trunc", "frac", "round",
                                 "log10", "fmod", "elu", "celu", "selu", "hardtanh", "relu6",
-                                "hardsigmoid", "hardswish", "softsign", "mish"}
+                                "hardsigmoid", "hardswish", "softsign", "mish", "searchsorted",
+                                "bucketize"}
 
 
 def _torch_function(func, args, kwargs):
