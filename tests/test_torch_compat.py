@@ -312,6 +312,30 @@ def test_small_captured_tensors_met_whole_and_searchsorted():
                  TraceError, "shape [48, 48] was used as a value", "index it")
 
 
+def test_integer_compared_with_a_number_beyond_int32():
+    """A window of 10**10, 1e12 or sys.maxsize that means "no limit": the comparison holds
+    for every position, as in torch. Kept as a comparison, the lowering rewrote it to
+    kv_idx - q_idx + 9999999999 >= 0, which wraps in int32: rows were masked silently.
+    An integer constant beyond int32 in arithmetic is a TraceError, no longer a Triton error."""
+    import sys
+
+    def unlimited(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx < 10 ** 10) & (q_idx - kv_idx <= 1e12) & (-3e9 < kv_idx) & (q_idx >= kv_idx)
+
+    def nan_window(score, b, h, q_idx, kv_idx):
+        return torch.where(q_idx - kv_idx != float("nan"), score, score - 1.0)
+
+    q, k, v = make_qkv(L=48, D=16)
+    run(q, k, v, nan_window, unlimited)
+    # sys.maxsize: torch's eager reference compares in int64 (int32 tensors wrap the scalar).
+    maxsize = create_block_mask(lambda b, h, q_idx, kv_idx: (q_idx - kv_idx < sys.maxsize) & (q_idx >= kv_idx),
+                                1, 2, 48, 48, device="cpu", BLOCK_SIZE=16)
+    torch.testing.assert_close(flex_attention(q, k, v, block_mask=maxsize),
+                               torch_eager(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx))
+    assert_error(lambda: flex_attention(q, k, v, lambda score, b, h, q_idx, kv_idx: score + (q_idx * 2654435761) % 7),
+                 TraceError, "2654435761 does not fit in int32")
+
+
 # --- call sites ------------------------------------------------------------------------------
 
 def test_return_aux_lse_and_max_scores():

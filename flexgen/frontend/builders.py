@@ -61,6 +61,13 @@ def _const(tracer: _Tracer, value) -> Proxy:
     if isinstance(value, bool):
         return _proxy(tracer, f"const b {int(value)}", "b")
     if isinstance(value, int):
+        if not _INT32_MIN <= value <= _INT32_MAX:
+            # The kernels compute integers in int32 (as torch's compiled FlexAttention does):
+            # such a constant failed deep in Triton ("Scalar ... is out of range for type int32").
+            raise tracer.fail(f"the integer constant {value} does not fit in int32, the type "
+                              "the kernels compute integers in",
+                              "use a constant within [-2**31, 2**31) (a hash multiplier can be "
+                              "taken modulo 2**32 and shifted into that range), or a float")
         return _proxy(tracer, f"const i {value}", "i")
     return _proxy(tracer, f"const f {float(value)!r}", "f")
 
@@ -123,6 +130,10 @@ def _line(op: str, kind: str, *operands: Proxy) -> str:
 @_elementwise
 def _binary(op: str, a, b) -> Proxy:
     tracer = _tracer_of(a, b)
+    if op in COMPARISONS:
+        decided = _compare_beyond_int32(tracer, op, a, b)
+        if decided is not None:
+            return decided
     pa, pb = _operand(tracer, a), _operand(tracer, b)
     if op in COMPARISONS:
         return _proxy(tracer, _line(op, "b", pa, pb), "b")
@@ -148,6 +159,29 @@ def _binary(op: str, a, b) -> Proxy:
         if op not in ("minimum", "maximum"):
             kind = "i"
     return _proxy(tracer, _line(op, kind, pa, pb), kind)
+
+
+_INT32_MIN, _INT32_MAX = -2 ** 31, 2 ** 31 - 1
+
+
+def _compare_beyond_int32(tracer: _Tracer, op: str, a, b):
+    """An integer compared with a number outside int32's range (a window of sys.maxsize, 1e12
+    or float('inf') that means \"no limit\", a NaN) is decided here, as torch decides it:
+    integers are int32 in the kernels, so ``q_idx - kv_idx < 10**10`` is True. Kept as a
+    comparison, the lowering rewrites it to ``kv_idx - q_idx + 9999999999 >= 0``, which
+    wraps in int32 and masked rows silently. None where nothing is decided."""
+    for value, number, flipped in ((a, b, False), (b, a, True)):
+        number = _plain(number)
+        if _kind(value) == "f" or isinstance(number, bool) or not isinstance(number, (int, float)):
+            continue
+        if number != number:                                    # NaN: only != holds
+            return _const(tracer, op == "ne")
+        if _INT32_MIN <= number <= _INT32_MAX:
+            continue
+        # value < number for every int32 value when number is above them, > when below.
+        below = (number > _INT32_MAX) != flipped
+        return _const(tracer, op == "ne" or (op in ("lt", "le") if below else op in ("gt", "ge")))
+    return None
 
 
 def _negative_const(value) -> bool:
