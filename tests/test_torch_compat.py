@@ -259,7 +259,12 @@ def test_aten_index_and_numpy_scalars():
     def window(b, h, q_idx, kv_idx):
         return (q_idx - kv_idx <= np.int64(12)) & (aten.index.Tensor(bias, [h, kv_idx]) > -1.5)
 
-    run(*make_qkv(L=40, D=16), loads, window)
+    q, k, v = make_qkv(L=40, D=16)
+    run(q, k, v, loads, window)
+    # Under torch.compile dynamo hands numpy scalars over as 0-d arrays.
+    compiled = torch.compile(flex_attention, backend="eager", fullgraph=True)
+    check(compiled(q.detach(), k.detach(), v.detach(), loads),
+          flex_attention_reference(q.detach(), k.detach(), v.detach(), loads))
 
 
 def test_rounding_and_more_activations():

@@ -80,6 +80,9 @@ def _plain(value):
             return int(value)
         if isinstance(value, numbers.Real):
             return float(value)
+    elif type(value).__name__ == "ndarray" and getattr(value, "ndim", None) == 0:
+        # A 0-d array; under torch.compile numpy scalars arrive so too: a captured 0-d tensor.
+        return torch.as_tensor(value)
     return value
 
 
@@ -108,9 +111,9 @@ def _kind(value) -> str:
     """The kind torch's promotion gives ``value``: proxies, tensors and Python numbers."""
     if isinstance(value, Proxy):
         return value._kind
+    value = _plain(value)
     if isinstance(value, torch.Tensor):
         return KIND_OF_DTYPE.get(value.dtype, "f")
-    value = _plain(value)
     if isinstance(value, bool):
         return "b"
     if isinstance(value, int):
