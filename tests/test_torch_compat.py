@@ -399,6 +399,31 @@ def test_torch_kernel_options_are_checked():
                  InputError, "BLOCK_SIZE_Q")
 
 
+def test_every_torch_argument_is_accepted():
+    """Each argument torch's create_block_mask, create_mask, flex_attention and
+    BlockMask.from_kv_blocks take is one flexgen's take (a call site passing torch 2.13's
+    compute_dq_write_order raised a TypeError): the deterministic-backward schedule of torch's
+    FLASH backend is accepted and not needed, the mask is the same."""
+    import inspect
+    for name in ("create_block_mask", "create_mask", "flex_attention"):
+        theirs = inspect.signature(getattr(tfa, name)).parameters
+        ours = inspect.signature(getattr(flexgen, name)).parameters
+        assert set(theirs) - {"mod_fn"} <= set(ours), (name, set(theirs) - set(ours))
+    theirs = inspect.signature(tfa.BlockMask.from_kv_blocks).parameters
+    assert set(theirs) <= set(inspect.signature(flexgen.BlockMask.from_kv_blocks).parameters)
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    plain = create_block_mask(causal, 1, 2, 64, 64, device="cpu", BLOCK_SIZE=16)
+    ordered = create_block_mask(causal, 1, 2, 64, 64, device="cpu", BLOCK_SIZE=16,
+                                compute_dq_write_order=True, dq_kv_order=False)
+    assert torch.equal(ordered.to_dense(), plain.to_dense())
+    lists = (plain.kv_num_blocks, plain.kv_indices, plain.full_kv_num_blocks, plain.full_kv_indices)
+    rebuilt = flexgen.BlockMask.from_kv_blocks(*lists, BLOCK_SIZE=16, mask_mod=causal, dq_kv_order=True)
+    assert torch.equal(rebuilt.to_dense(), plain.to_dense())
+
+
 def test_oracle_and_create_mask_evaluate_mods_per_element():
     """Chained indexing means what it means in torch (vmap per element) in the oracle's dense
     mask and in create_mask, also for Q_LEN != KV_LEN (a broadcast evaluation took row 0)."""

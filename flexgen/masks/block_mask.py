@@ -65,7 +65,8 @@ class BlockMask:
     @classmethod
     def from_kv_blocks(cls, kv_num_blocks, kv_indices, full_kv_num_blocks=None, full_kv_indices=None,
                        BLOCK_SIZE=128, mask_mod=None, seq_lengths=None,
-                       compute_q_blocks=True) -> "BlockMask":
+                       compute_q_blocks=True, *, dq_write_order=None, dq_write_order_full=None,
+                       dq_kv_order=None) -> "BlockMask":
         """A mask from its kv lists (torch's ``BlockMask.from_kv_blocks``).
 
         ``kv_num_blocks`` ``[B, H, NQ]`` / ``kv_indices`` ``[B, H, NQ, NKV]`` list the partial
@@ -74,6 +75,8 @@ class BlockMask:
         with ``compute_q_blocks=False``: flex_attention then computes them per call).
         ``seq_lengths`` defaults to ``(NQ * Q_BLOCK, NKV * KV_BLOCK)`` and ``mask_mod`` to
         ``noop_mask`` (every position of a partial block kept), both as torch does.
+        ``dq_write_order*`` / ``dq_kv_order`` (torch's FLASH backend's deterministic backward
+        schedule) are accepted and not needed: see ``create_block_mask``.
         """
         torch_compat.check_lists(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
         q_block, kv_block = _check_block_size(BLOCK_SIZE)
@@ -262,7 +265,8 @@ def default_device():
 
 
 def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128,
-                      _compile=False, separate_full_blocks=True) -> BlockMask:
+                      _compile=False, separate_full_blocks=True, compute_dq_write_order=False,
+                      dq_kv_order=True) -> BlockMask:
     """The ``BlockMask`` of ``mask_mod(b, h, q_idx, kv_idx)`` over ``[B, H, Q_LEN, KV_LEN]``.
 
     ``B`` / ``H`` = None build one mask shared by every batch / head (the mod
@@ -271,7 +275,9 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     ``separate_full_blocks=False`` (torch's argument) lists every visited block as
     partial, so mask_mod runs on all of them; the full lists are then empty.
     ``_compile`` is accepted for torch compatibility (flexgen's builder is always
-    compiled). Memory is O(B * H * NQ * NKV), never O(Q_LEN * KV_LEN). Works inside
+    compiled), and so are ``compute_dq_write_order`` / ``dq_kv_order``: torch's schedule
+    for a deterministic backward of its FLASH backend, which flexgen's kernels do not read
+    (their backward is deterministic under ``torch.use_deterministic_algorithms(True)``). Memory is O(B * H * NQ * NKV), never O(Q_LEN * KV_LEN). Works inside
     torch.compile (one ``flexgen::block_mask`` op). On the ``meta`` device the lists have
     their shapes and no values, as torch's create_block_mask gives there.
     """
