@@ -315,6 +315,10 @@ def test_small_captured_tensors_met_whole_and_searchsorted():
     run(q, k, v, buckets, documents)
     assert_error(lambda: flex_attention(q, k, v, lambda score, b, h, q_idx, kv_idx: score + table),
                  TraceError, "shape [48, 48] was used as a value", "index it")
+    # A one-element offset (gpt-fast's input_pos, not input_pos[0]) left as a row: the fix says so.
+    pos = torch.tensor([5])
+    assert_error(lambda: flex_attention(q, k, v, lambda score, b, h, q_idx, kv_idx: score + q_idx + pos),
+                 TraceError, "shape [1], not indexed", "0-d tensor (pos[0], not pos)")
 
 
 def test_integer_compared_with_a_number_beyond_int32():

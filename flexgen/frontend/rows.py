@@ -194,11 +194,15 @@ def _reduced_dims(tracer: _Tracer, ndim: int, dim, what: str) -> list:
 
 
 def _row_used_as_value(row: "Row"):
+    reduce = "reduce the rest to one value with .sum(-1) / .max() / .any(-1) / torch.dot(a, b)"
+    if "not indexed" in row._what:
+        # A captured tensor met whole (View._what): often a one-element offset, q_idx + pos.
+        fix = ("index it with traced positions (e.g. bias[h, q_idx]), capture a 0-d tensor "
+               "(pos[0], not pos) or a Python number, or " + reduce)
+    else:
+        fix = "index every dimension (bias[b, q_idx], or bias[b][q_idx]), or " + reduce
     return row._tracer.fail(
-        f"{row._what} was used where one value is needed (it has shape {list(row._shape)})",
-        "index every dimension with traced positions (bias[h, q_idx], bias[b][q_idx]), or reduce "
-        "the rest to one "
-        "value with .sum(-1) / .max() / .any(-1) / torch.dot(a, b)")
+        f"{row._what} was used where one value is needed (it has shape {list(row._shape)})", fix)
 
 
 def _rows_in(values) -> list:
