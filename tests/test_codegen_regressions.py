@@ -297,3 +297,44 @@ def test_exact_tanh_near_zero(cap):
                            device="cpu", BLOCK_SIZE=32)
     run_and_check(q, k, v, score_mod=lambda score, b, h, q_idx, kv_idx: cap * torch.tanh(score / cap),
                   block_mask=bm, kernel_options=OPTIONS)
+
+
+# --- a division split by sympy, then rounded in float: silently off at exact multiples ------
+
+_PAD = torch.tensor([4, 0, 3])
+
+
+def _chunks_after_padding(b, h, q_idx, kv_idx):
+    """Llama 4's chunked attention under left padding (transformers' chunked_overlay): two
+    floor divisions sharing a loaded term, which the common-subexpression pass took out of
+    both (-pad / 6), leaving each a float floor of a float sum: (10 - 4) // 6 came out 0."""
+    pad = _PAD[b]
+    return ((kv_idx - pad) // 6 == (q_idx - pad) // 6) & (q_idx >= kv_idx)
+
+
+def _tenths_clamped(b, h, q_idx, kv_idx):
+    """A distance in tenths compared at an exact value: torch divides the integer difference
+    once; q / 10 - kv / 10 in float32 lands on either side of 0.5."""
+    return torch.clamp((q_idx - kv_idx) / 10.0, -1.0, 1.0) > 0.5
+
+
+def _tenths_truncated(b, h, q_idx, kv_idx):
+    t = (q_idx - kv_idx) / 10.0
+    return torch.where(t < 0, torch.ceil(t), torch.floor(t)) == 0
+
+
+@pytest.mark.parametrize("mask_mod", [_chunks_after_padding, _tenths_clamped, _tenths_truncated])
+@pytest.mark.parametrize("L", [40, 128])
+def test_divisions_of_integers_round_as_torch(mask_mod, L):
+    g = torch.Generator().manual_seed(L)
+    q, k, v = (torch.randn(3, 2, L, 32, generator=g) for _ in range(3))
+    bm = create_block_mask(mask_mod, 3, None, L, L, device="cpu", BLOCK_SIZE=32)
+    run_and_check(q, k, v, block_mask=bm, kernel_options=OPTIONS)
+    _check_gradients(None, L, mask_mod=lambda b, h, q_idx, kv_idx: mask_mod(b % 3, h, q_idx, kv_idx))
+
+
+def test_a_division_by_a_float_constant_stays_float():
+    """0.05 is 3602879701896397 / 2**56 to sympy: multiplied in float (as torch does), never
+    made an integer fraction that int32 cannot hold."""
+    _check_gradients(lambda score, b, h, q_idx, kv_idx: score + torch.floor(q_idx * 0.05) + kv_idx * 0.05
+                     - q_idx * 0.05, 40)

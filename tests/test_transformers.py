@@ -55,6 +55,12 @@ def _config(family, **overrides):
         # Attention sinks (s_aux), alternating sliding / full layers, a small MoE.
         return transformers.GptOssConfig(**COMMON, sliding_window=WINDOW, num_local_experts=2,
                                          num_experts_per_tok=1, **overrides)
+    if family == "llama4":
+        # Layer 0 chunked attention (6 positions a chunk, counted from each row's first real
+        # token), layer 1 full attention without RoPE; one expert.
+        return transformers.Llama4TextConfig(**COMMON, attention_chunk_size=6, no_rope_layers=[1, 0],
+                                             num_local_experts=1, interleave_moe_layer_step=1,
+                                             intermediate_size_mlp=96, **overrides)
     raise ValueError(family)
 
 
@@ -85,10 +91,11 @@ def _close(got, want, atol=2e-4, rtol=2e-4):
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gemma2", "gpt_oss", "llama4"])
 def test_logits_match_eager_with_left_and_right_padding(family):
     """Prefill logits of every real token equal eager's: GQA, the padding mask on either
-    side, sliding windows (per layer type), Gemma 2's soft-cap, GPT-OSS's sinks."""
+    side, sliding windows (per layer type), Gemma 2's soft-cap, GPT-OSS's sinks, Llama 4's
+    chunks (whose floor divisions of a padded position once rounded in float)."""
     model, ref = _pair(family)
     ids, mask = _padded_batch()
     with torch.no_grad():
@@ -114,7 +121,8 @@ def test_packed_sequences_match_sdpa():
 
 @pytest.mark.parametrize("family,cache,padded", [("mistral", "dynamic", True),
                                                 ("gemma2", "static", True),
-                                                ("llama", "static", False)])
+                                                ("llama", "static", False),
+                                                ("llama4", "dynamic", True)])
 def test_generate_matches(family, cache, padded):
     """Greedy generate() gives the reference's tokens and scores: prefill, then decode steps
     (one query against the cache, the cache's offsets in the mask). Padded: a left-padded
