@@ -244,6 +244,26 @@ def test_few_queries_take_the_decode_kernel_unchanged():
         enable_gqa=True)
 
 
+def test_torch_decoding_masks_of_one_query_a_block():
+    """torch's decoding tests build masks with BLOCK_SIZE=(1, n): the decode kernel reads them
+    (at most 16 queries, no gradient); a call that needs the forward or the backward kernels
+    names the mask's block size, not a kernel option the caller never set."""
+    from torch.nn.attention.flex_attention import create_block_mask as torch_block_mask
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx + 60 >= kv_idx
+
+    q, k, v = make_qkv(B=1, H=2, L=4, Lkv=64, D=16)
+    mask = torch_block_mask(causal, 1, 1, 4, 64, device="cpu", BLOCK_SIZE=(1, 16))
+    check(flex_attention(q, k, v, block_mask=mask), flex_attention_reference(q, k, v, mask_mod=causal,
+                                                                             dtype=torch.float64), q.dtype)
+    with pytest.raises(InputError, match=r"block_mask.BLOCK_SIZE: .*query block.*backward.*got 1"):
+        flex_attention(q.requires_grad_(), k, v, block_mask=mask).sum().backward()
+    wide = torch_block_mask(causal, 1, 1, 64, 64, device="cpu", BLOCK_SIZE=(1, 16))
+    with pytest.raises(InputError, match=r"block_mask.BLOCK_SIZE: .*forward kernel.*got 1"):
+        flex_attention(k, k, v, block_mask=wide)
+
+
 def test_aten_index_and_numpy_scalars():
     """torch.ops.aten.index(t, [h, kv_idx]) is t[h, kv_idx] (PyTorch's tests spell loads so; a
     None leaves a dim whole), and numpy scalars (np.float32, np.int64) act as the Python numbers

@@ -210,10 +210,18 @@ def tiles(kernel, options: KernelOptions, part: str, head_dim: int, dtype: str, 
     ``tuning.table_row`` takes them): the tuning table's, with the
     caller's choices on top, tiles dividing the sparse blocks."""
     opts = tuning.options(kernel, head_dim, dtype, device, sparse_q, sparse_kv)
-    opts.update(options.tiles(part))
+    chosen = options.tiles(part)
+    opts.update(chosen)
     names = {"dq": {"BLOCK_M": "BLOCK_M2", "BLOCK_N": "BLOCK_N2"},
              "dkdv": {"BLOCK_M": "BLOCK_M1", "BLOCK_N": "BLOCK_N1"}}.get(part, {})
-    for k, sparse in (("BLOCK_M", sparse_q), ("BLOCK_N", sparse_kv)):
+    for k, sparse, side in (("BLOCK_M", sparse_q, "query"), ("BLOCK_N", sparse_kv, "key")):
+        if k not in chosen and sparse % 16:
+            # No tile of the kernel divides the mask's blocks: the mask is the thing to change
+            # (torch's decoding masks take BLOCK_SIZE=(1, ...), which only the decode kernel reads).
+            raise expected("block_mask.BLOCK_SIZE", f"a {side} block that is a multiple of 16 for "
+                           f"this call ({'its backward' if part else 'the forward kernel'})", sparse,
+                           "build the mask with BLOCK_SIZE=128 (or 64, 32, 16); a query block of 1 "
+                           "serves calls of at most 16 queries without gradients (the decode kernel)")
         check_tile(names.get(k, k), opts[k], sparse)
     return opts
 
