@@ -338,3 +338,23 @@ def test_a_division_by_a_float_constant_stays_float():
     made an integer fraction that int32 cannot hold."""
     _check_gradients(lambda score, b, h, q_idx, kv_idx: score + torch.floor(q_idx * 0.05) + kv_idx * 0.05
                      - q_idx * 0.05, 40)
+
+
+def test_a_block_bounded_through_divisions_is_not_called_empty():
+    """The block classifier's interval bounds of (kv + 14 - pad) // 6 went through the same
+    split terms in float64 and ended one below an exact multiple: a block holding the one key
+    a query keeps was called empty (Llama 4's decode step under left padding: the query's
+    output was the zero of an empty row). Classified by bounds alone here: one query, six keys."""
+    pad, q_offset, kv_offset = torch.tensor([4, 0, 7]), torch.tensor(19), torch.tensor(14)
+
+    def chunk_of_a_decode_step(b, h, q_idx, kv_idx):     # offsets as transformers passes them
+        return (kv_idx + kv_offset - pad[b]) // 6 == (q_idx + q_offset - pad[b]) // 6
+
+    from torch.nn.attention.flex_attention import create_block_mask as torch_block_mask
+    want = torch_block_mask(chunk_of_a_decode_step, 3, None, 1, 6, device="cpu")
+    bm = create_block_mask(chunk_of_a_decode_step, 3, None, 1, 6, device="cpu")
+    assert torch.equal(bm.kv_num_blocks + bm.full_kv_num_blocks, want.kv_num_blocks + want.full_kv_num_blocks)
+    g = torch.Generator().manual_seed(6)
+    q, k, v = torch.randn(3, 2, 1, 32, generator=g), torch.randn(3, 2, 6, 32, generator=g), torch.randn(3, 2, 6, 32, generator=g)
+    for backend in ("AUTO", "TRITON"):
+        run_and_check(q, k, v, block_mask=bm, kernel_options={"BACKEND": backend})

@@ -20,8 +20,8 @@ import sympy
 from sympy.core.function import UndefinedFunction
 
 from ..codegen import debug
-from ..frontend.expr import (SYMBOLS, BitAnd, BitNot, BitOr, BitXor, Sigmoid, Trunc, free_indices,
-                             is_parameter)
+from ..frontend.expr import (SYMBOLS, BitAnd, BitNot, BitOr, BitXor, FloorDiv, Sigmoid, Trunc,
+                             free_indices, int_fraction, is_parameter, whole_divisions)
 # Defined without sympy, for the restart index (flexgen.codegen.index):
 from .snippet import TL_DTYPES, Address, Snippet, literal_value  # noqa: F401
 
@@ -481,75 +481,6 @@ class TritonPrinter:
             return "0", None
         offsets, in_bounds = self._index_terms(e, grad_name)
         return " + ".join(offsets), " & ".join(in_bounds)
-
-
-class FloorDiv(sympy.Function):
-    """``floor(num / den)`` of integer expressions, one node while printing (``whole_divisions``)."""
-    is_integer = True
-
-    @classmethod
-    def eval(cls, num, den):
-        if num.is_Integer and den.is_Integer:
-            return sympy.Integer(int(num) // int(den))
-
-
-def _int32_constants(e) -> bool:
-    """Whether every integer constant of ``e`` is an int32: a float constant is an exact
-    rational in sympy (0.05 is 3602879701896397 / 2**56), which integer arithmetic cannot hold."""
-    return all(abs(int(n)) < 2 ** 31 for n in e.atoms(sympy.Integer))
-
-
-def int_fraction(arg):
-    """(numerator, denominator) if ``arg`` is a ratio of integer expressions that int32
-    arithmetic can compute."""
-    num, den = sympy.fraction(sympy.together(arg))
-    if num.is_integer and den.is_integer and den != 1 and _int32_constants(num) and _int32_constants(den):
-        return num, den
-    return None
-
-
-class IntRatio(sympy.Function):
-    """``num / den``, a float, of an integer ``num`` and a positive integer ``den``: computed as
-    torch computes ``(q_idx - kv_idx) / 10``, the difference in integers, then one division."""
-
-
-def _grouped_ratios(add):
-    """``add`` with its terms that are integers times fractions of one denominator (sympy's
-    ``q/10 - kv/10`` for ``(q - kv) / 10``) as one ``IntRatio`` per denominator: printed
-    term by term they would round at each division and at the sum, and a comparison at an
-    exact value (``(q - kv) / 10 > 0.5`` at a distance of 5) would go either way."""
-    groups, rest = {}, []
-    for term in add.args:
-        coeff, factor = term.as_coeff_Mul()
-        if (coeff.is_Rational and not coeff.is_Integer and factor.is_integer
-                and _int32_constants(coeff.p * factor) and coeff.q < 2 ** 31):
-            groups.setdefault(coeff.q, []).append(coeff.p * factor)
-        else:
-            rest.append(term)
-    if not any(len(numerators) > 1 for numerators in groups.values()):
-        return add
-    for den, numerators in groups.items():
-        rest.append(IntRatio(sympy.Add(*numerators), den) if len(numerators) > 1
-                    else sympy.Rational(1, den) * numerators[0])
-    return sympy.Add(*rest, evaluate=False) if len(rest) > 1 else rest[0]
-
-
-def whole_divisions(e):
-    """``e`` with each floor (ceiling) of a ratio of integers as one ``FloorDiv`` (minus one of
-    its negation), printed as integer division, and fractions of one denominator summed as
-    one ``IntRatio`` (``_grouped_ratios``). sympy spreads the divisor over the numerator's terms
-    (``(kv - pad[b]) // 6`` is floor(kv/6 - pad[b]/6)), and common-subexpression elimination
-    then takes a term two floors share (``-pad[b]/6``) out of both, leaving each the float
-    floor of a float sum: it rounds at exact multiples (kv = 10, pad = 4: floor(1.6666666 -
-    0.6666667) = 0, not 1), silently, as Llama 4's chunked mask did under left padding."""
-    def whole(f):
-        frac = int_fraction(f.args[0])
-        if frac is None:
-            return f
-        num, den = frac
-        return FloorDiv(num, den) if isinstance(f, sympy.floor) else -FloorDiv(-num, den)
-    e = e.replace(lambda x: isinstance(x, (sympy.floor, sympy.ceiling)), whole)
-    return e.replace(lambda x: isinstance(x, sympy.Add), _grouped_ratios)
 
 
 def _printable(exprs, proven) -> tuple:

@@ -131,10 +131,14 @@ class _SympyIndex:
     """A sympy index with the position names it reads."""
 
     def __init__(self, index):
-        self.index, self.names = index, tuple(sorted(s.name for s in index.free_symbols))
+        from ..frontend.expr import whole_divisions
+        # Divisions of integers whole, as the kernels compute them (split into terms, float
+        # bounds and float64 values can land one below an exact multiple).
+        self.index, self.text = whole_divisions(index), str(index)
+        self.names = tuple(sorted(s.name for s in index.free_symbols))
 
     def __str__(self) -> str:
-        return str(self.index)
+        return self.text
 
     def bounds(self, ranges: dict) -> tuple:
         """(lo, hi), inclusive, over-estimated by interval arithmetic over ``ranges`` by name."""
@@ -336,7 +340,9 @@ def _numpy_function(expr, symbols: tuple):
         return (np.greater_equal, np.greater, np.equal, np.not_equal)[int(op)](a, b)
 
     return sympy.lambdify(symbols, expr, modules=[{"Trunc": trunc, "IsNan": np.isnan,
-                                                   "FloatCompare": float_compare}, "numpy"])
+                                                   "FloatCompare": float_compare,
+                                                   "FloorDiv": np.floor_divide,
+                                                   "IntRatio": np.true_divide}, "numpy"])
 
 
 # Positions the check evaluates an index at, one by one, at most (a numpy array of float64).
@@ -465,6 +471,20 @@ class _Interval:
     def _ceiling(self, e):
         lo, hi = self(e.args[0])
         return math.ceil(lo) if math.isfinite(lo) else lo, math.ceil(hi) if math.isfinite(hi) else hi
+
+    def _FloorDiv(self, e):
+        num, den = e.args
+        if not (den.is_Integer and den > 0):
+            return _UNKNOWN
+        (lo, hi), d = self(num), int(den)
+        return (math.floor(lo / d) if math.isfinite(lo) else lo, math.floor(hi / d) if math.isfinite(hi) else hi)
+
+    def _IntRatio(self, e):
+        num, den = e.args
+        if not (den.is_Integer and den > 0):
+            return _UNKNOWN
+        lo, hi = self(num)
+        return lo / int(den), hi / int(den)
 
     def _Trunc(self, e):
         lo, hi = self(e.args[0])

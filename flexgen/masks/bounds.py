@@ -46,7 +46,7 @@ _RELATION_NAMES = ("GreaterThan", "StrictGreaterThan", "LessThan", "StrictLessTh
 _BOOL_OPS = frozenset(("bool", "ITE", "And", "Or", "Not", "Xor", "Equivalent", *_RELATION_NAMES))
 _NUMBER_OPS = ("int", "num")
 # Operations whose bounds are finite when their operands' are.
-_FINITE_OF_FINITE = ("Add", "Mul", "floor", "ceiling")
+_FINITE_OF_FINITE = ("Add", "Mul", "floor", "ceiling", "FloorDiv", "IntRatio")
 
 
 def _finite_value(node) -> bool:
@@ -186,6 +186,19 @@ class _Evaluator:
     def op_ceiling(self, a):
         lo, hi = self(a)
         return torch.ceil(lo), torch.ceil(hi)
+
+    def op_IntRatio(self, a, d):
+        """a / d of an integer a and a positive constant d (``frontend.expr.IntRatio``): the
+        integer bounds divided whole, where a/6 + b/6 in floats could land below a multiple."""
+        d = self.program[d]
+        if not (d[0] == "int" and d[1] > 0):
+            return self.unknown()
+        lo, hi = self(a)
+        return lo / d[1], hi / d[1]
+
+    def op_FloorDiv(self, a, d):
+        lo, hi = self.op_IntRatio(a, d)
+        return torch.floor(lo), torch.floor(hi)
 
     def op_Trunc(self, a):
         lo, hi = self(a)
@@ -517,8 +530,9 @@ def _fold(fn, flags, out=None):
 
 
 # The sympy functions the evaluator has an op_ for, by class name (operands in sympy's order).
-_FUNCTIONS = frozenset(("Add", "Mul", "floor", "ceiling", "Trunc", "Mod", "Abs", "Min", "Max", "exp",
-                        "tanh", "Sigmoid", "log", "And", "Or", "Not", "Xor", "Equivalent"))
+_FUNCTIONS = frozenset(("Add", "Mul", "floor", "ceiling", "FloorDiv", "IntRatio", "Trunc", "Mod", "Abs",
+                        "Min", "Max", "exp", "tanh", "Sigmoid", "log", "And", "Or", "Not", "Xor",
+                        "Equivalent"))
 
 
 def compile_flags(expr, buffers=None) -> tuple:
@@ -532,7 +546,7 @@ def compile_flags(expr, buffers=None) -> tuple:
     import sympy
     from sympy.core.function import UndefinedFunction
 
-    from ..frontend.expr import INDEX_SYMBOLS
+    from ..frontend.expr import INDEX_SYMBOLS, whole_divisions
     names = {s: n for n, s in INDEX_SYMBOLS.items()}
     nodes, seen = [], {}
 
@@ -579,5 +593,7 @@ def compile_flags(expr, buffers=None) -> tuple:
         seen[e] = i
         return i
 
-    visit(expr)
+    # Divisions of integers whole (frontend.expr.whole_divisions), as the kernels compute them:
+    # split into terms, their float bounds could miss an exact multiple and call a block empty.
+    visit(whole_divisions(expr))
     return tuple(nodes)
