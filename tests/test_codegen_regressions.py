@@ -358,3 +358,52 @@ def test_a_block_bounded_through_divisions_is_not_called_empty():
     q, k, v = torch.randn(3, 2, 1, 32, generator=g), torch.randn(3, 2, 6, 32, generator=g), torch.randn(3, 2, 6, 32, generator=g)
     for backend in ("AUTO", "TRITON"):
         run_and_check(q, k, v, block_mask=bm, kernel_options={"BACKEND": backend})
+
+
+# --- int64 captured tensors: ids that differ only above bit 31 ---------------------------------
+
+def _ids_equal_in_int32(L: int) -> torch.Tensor:
+    """Three documents whose int64 ids agree in their low 32 bits (HF's packed-sequence ids and
+    left padding are int64). The kernels read them as int32 once: one document, silently."""
+    ids = torch.full((L,), 7, dtype=torch.int64)
+    ids[L // 3:] += 2 ** 32
+    ids[2 * L // 3:] -= 3 * 2 ** 33
+    return ids
+
+
+@pytest.mark.parametrize("L", [40, 128])
+def test_int64_ids_that_differ_above_bit_31_stay_distinct(L):
+    ids = _ids_equal_in_int32(L)
+
+    def same_document(b, h, q_idx, kv_idx):
+        return ids[q_idx] == ids[kv_idx]
+
+    def other_documents_down(score, b, h, q_idx, kv_idx):
+        return torch.where(ids[q_idx] == ids[kv_idx], score, score - 3.0)
+
+    dense = flexgen.create_mask(same_document, 1, 1, L, L, device="cpu")
+    assert torch.equal(dense[0, 0], ids[:, None] == ids[None, :])
+    _check_gradients(None, L, mask_mod=same_document)
+    _check_gradients(other_documents_down, L)
+    # The decode path (two queries at the end of the sequence) and a mask kept by its kernel.
+    g = torch.Generator().manual_seed(L + 1)
+    q, k, v = torch.randn(1, 2, 2, 32, generator=g), torch.randn(1, 2, L, 32, generator=g), \
+        torch.randn(1, 2, L, 32, generator=g)
+    out, lse = decode_attention(q, k, v, score_mod=other_documents_down, return_lse=True,
+                                q_offsets=L - 2)
+    ref, ref_lse = flex_attention_reference(
+        q, k, v, lambda s, b, h, q_idx, kv_idx: other_documents_down(s, b, h, q_idx + L - 2, kv_idx),
+        return_lse=True)
+    check(out, ref, torch.float32, lse, ref_lse)
+
+
+def test_an_int64_element_compared_beyond_int32_is_not_decided_at_trace_time():
+    """``q_idx - kv_idx < 10**10`` is True for every int32 value and is decided when traced;
+    an element of an int64 tensor can exceed it, so that comparison is refused instead."""
+    big = torch.tensor([2 ** 40, 3], dtype=torch.int64)
+    with pytest.raises(flexgen.TraceError, match="10000000000"):
+        create_block_mask(lambda b, h, q_idx, kv_idx: big[kv_idx % 2] < 10 ** 10, 1, 1, 8, 8,
+                          device="cpu")
+    window = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx - kv_idx < 10 ** 10, 1, 1, 8, 8,
+                               device="cpu")
+    assert window.full_kv_num_blocks.sum() == 1

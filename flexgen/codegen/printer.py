@@ -3,9 +3,10 @@
 One ``_print_<Class>`` method per sympy node type (sympy's own printer
 pattern): adding an operation is adding a method. Each method returns
 ``(code, kind)`` with kind "bool", "int" or "float", so the printer inserts
-the casts torch's promotion implies (int32 index math stays int32, float math
-is float32). Common subexpressions become numbered temporaries; loads of
-captured buffers become statements with bounds-checked, wrapped indices.
+the casts torch's promotion implies (int32 index math stays int32, an int64
+tensor's elements int64, float math is float32). Common subexpressions become
+numbered temporaries; loads of captured buffers become statements with
+bounds-checked, wrapped indices.
 
 The snippet uses the names the template binds: ``score`` (float32 tile),
 ``b``, ``h`` (scalars), ``q_idx`` (column vector), ``kv_idx`` (row vector),
@@ -439,9 +440,16 @@ class TritonPrinter:
             # the host could not check) read 0.
             code = (f"tl.load({name}_ptr + {' + '.join(offsets)}, "
                     f"mask={' & '.join(in_bounds)}, other=0)")
-        integer = bool(e.is_integer)
-        code = f"{code}.to({'tl.int32' if integer else 'tl.float32'})"
-        return self.temp(code, "int" if integer else "float")
+        return self._loaded(code, bool(e.is_integer))
+
+    def _loaded(self, code: str, integer: bool) -> tuple:
+        """Loaded element ``code`` as the mod computes with it: float32, or an integer in int32
+        except an int64 tensor's, which stays int64 as in torch (ids that differ only above
+        bit 31 stay different). The kernel picks the type from the pointer's, at compile time."""
+        if not integer:
+            return self.temp(f"{code}.to(tl.float32)", "float")
+        raw, _ = self.temp(code, "int")
+        return self.temp(f"{raw}.to(tl.int64 if {raw}.dtype == tl.int64 else tl.int32)", "int")
 
     def _print_proven_load(self, e):
         """A load every index of which the host proved in [0, size) over the call's positions.
@@ -466,9 +474,7 @@ class TritonPrinter:
         for terms in (base, tile):
             if terms:
                 address += f" + ({' + '.join(terms)})"
-        integer = bool(e.is_integer)
-        code = f"tl.load({address}).to({'tl.int32' if integer else 'tl.float32'})"
-        return self.temp(code, "int" if integer else "float")
+        return self._loaded(f"tl.load({address})", bool(e.is_integer))
 
     def print_address(self, e, grad_name: str) -> tuple:
         """(offset, in_bounds) of load ``e``'s element in the buffer ``{grad_name}_ptr``.

@@ -172,10 +172,13 @@ def _compare_beyond_int32(tracer: _Tracer, op: str, a, b):
     or float('inf') that means \"no limit\", a NaN) is decided here, as torch decides it:
     integers are int32 in the kernels, so ``q_idx - kv_idx < 10**10`` is True. Kept as a
     comparison, the lowering rewrites it to ``kv_idx - q_idx + 9999999999 >= 0``, which
-    wraps in int32 and masked rows silently. None where nothing is decided."""
+    wraps in int32 and masked rows silently. None where nothing is decided, and for a value
+    read from an int64 tensor (int64 in the kernels too: its constant is refused instead)."""
     for value, number, flipped in ((a, b, False), (b, a, True)):
         number = _plain(number)
         if _kind(value) == "f" or isinstance(number, bool) or not isinstance(number, (int, float)):
+            continue
+        if isinstance(value, Proxy) and tracer.reads_int64(value._node) and number == number:
             continue
         if number != number:                                    # NaN: only != holds
             return _const(tracer, op == "ne")

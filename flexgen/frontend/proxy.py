@@ -24,6 +24,7 @@ class _Tracer:
         self.lines = [f"program {kind} {''.join(self.name.replace(LINE_END, ' ').split()) or '?'}"]
         self.index = {}            # line -> its number (identical lines are one node)
         self.buffers = []
+        self.int64_lines = []      # per line: reads_int64, computed as far as asked
         self.derived = False
 
     def node(self, line: str) -> int:
@@ -33,6 +34,16 @@ class _Tracer:
             self.lines.append(line)
             self.index[line] = found
         return found
+
+    def reads_int64(self, node: int) -> bool:
+        """Whether line ``node`` computes from an element of an int64 captured tensor: the
+        kernels keep those in int64, as torch does, where other integers are int32."""
+        wide = self.int64_lines
+        for line in self.lines[len(wide):node + 1]:      # lines only refer to earlier ones
+            fields = line.split()
+            wide.append((fields[0] == "load" and self.buffers[int(fields[2])].dtype == torch.int64)
+                        or any(wide[int(f[1:])] for f in fields[2:] if f.startswith("%")))
+        return wide[node]
 
     def slot(self, t) -> int:
         for i, known in enumerate(self.buffers):

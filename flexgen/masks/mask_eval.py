@@ -420,8 +420,9 @@ _HELPERS = {"_floordiv": _lifted(_floordiv), "_floormod": _lifted(_floormod),
             "_floormod_float": _lifted(_floormod_float), "_tanh": _lifted(_tanh), "float": _lifted(float)}
 _INDEX_NAMES = ("b", "h", "q_idx", "kv_idx")
 # Python syntax whose meaning is the same on torch tensors as on Triton tensors.
-# Not //, % or ** (the printer emits helpers for those) nor `and` / `or` / `if`.
-_SYNTAX = (ast.Module, ast.Assign, ast.Name, ast.Load, ast.Store, ast.Attribute, ast.Call,
+# Not //, % or ** (the printer emits helpers for those) nor `and` / `or`. A conditional
+# expression only picks a loaded integer's type from its dtype (printer._loaded).
+_SYNTAX = (ast.Module, ast.Assign, ast.Name, ast.Load, ast.Store, ast.Attribute, ast.Call, ast.IfExp,
            ast.keyword, ast.BinOp, ast.UnaryOp, ast.Compare, ast.Constant, ast.List,
            ast.Add, ast.Sub, ast.Mult, ast.Div, ast.BitAnd, ast.BitOr, ast.BitXor,
            ast.Invert, ast.USub, ast.UAdd, ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE)
@@ -465,7 +466,7 @@ def _check_and_compile(snippet, buffer_sigs):
                 raise Unsupported(f"the name {node.id}")
             if isinstance(node, ast.Attribute):
                 is_tl = isinstance(node.value, ast.Name) and node.value.id == "tl"
-                if (node.attr not in _TL_NAMES) if is_tl else node.attr != "to":
+                if (node.attr not in _TL_NAMES) if is_tl else node.attr not in ("to", "dtype"):
                     raise Unsupported(f"the attribute .{node.attr}")
             if isinstance(node, ast.Compare) and len(node.ops) > 1:
                 raise Unsupported("a chained comparison")
