@@ -76,6 +76,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import report  # noqa: E402
+from common import add_doc_ids_option, set_doc_ids  # noqa: E402
 from bench_forward import (DOC_AVG, SDPA_VARIANTS, SOFTCAP, WINDOW, Timeout, Timer,  # noqa: E402
                            _check_stop, _raise, count_unmasked, environment, f, make_mods,
                            make_sets, measure_ceiling, case_grid, output_path, rotating, write_json,
@@ -434,7 +435,9 @@ def main(argv=None) -> int:
                     "values, e.g. tl,gluon,AUTO")
     ap.add_argument("--flexgen-options", type=parse_options, default=None, metavar="JSON",
                     help='flexgen kernel_options for every flexgen call, e.g. \'{"USE_TMA": true}\'')
+    add_doc_ids_option(ap)
     args = ap.parse_args(argv)
+    set_doc_ids(args)
 
     args.backends = [b for b in args.backends.split(",") if b]
     cuda = not args.smoke
@@ -463,7 +466,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGALRM, _raise)
     t_start = time.monotonic()
     deadline = t_start + args.budget
-    payload = dict(env=env, config=dict(tokens=args.tokens, heads=args.heads, dtype="bfloat16", window=WINDOW,
+    payload = dict(env=env, config=dict(tokens=args.tokens, heads=args.heads, dtype="bfloat16", window=WINDOW, doc_ids=args.doc_ids,
                                         softcap=SOFTCAP, doc_avg=DOC_AVG, budget_s=args.budget,
                                         flops_per_pair=dict(fwd=FWD_FLOPS, bwd=BWD_FLOPS,
                                                             fwdbwd=FWD_FLOPS + BWD_FLOPS),

@@ -64,6 +64,7 @@ from flexgen import mods  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Timer, doc_ids, write_json  # noqa: E402,F401  (bench_backward imports them from here)
+from common import add_doc_ids_option, set_doc_ids  # noqa: E402
 from common import environment as common_environment  # noqa: E402
 from common import report  # noqa: E402
 
@@ -710,7 +711,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="output folder (default $OUT, else benchmarks/results)")
     ap.add_argument("--flexgen-options", type=parse_options, default=None, metavar="JSON",
                     help='flexgen kernel_options for the timed calls, e.g. \'{"USE_TMA": true}\'')
+    add_doc_ids_option(ap)
     args = ap.parse_args(argv)
+    set_doc_ids(args)
 
     cuda = not args.smoke
     if cuda and not torch.cuda.is_available():
@@ -735,7 +738,7 @@ def main(argv=None) -> int:
     t_start = time.monotonic()
     deadline = t_start + args.budget
     reserve = 0 if (args.no_mask_bench and args.no_overhead) else (10 if args.smoke else 60)
-    payload = dict(env=env, config=dict(tokens=args.tokens, heads=args.heads, dtype="bfloat16", window=WINDOW,
+    payload = dict(env=env, config=dict(tokens=args.tokens, heads=args.heads, dtype="bfloat16", window=WINDOW, doc_ids=args.doc_ids,
                                         softcap=SOFTCAP, doc_avg=DOC_AVG, prefix="L/4", budget_s=args.budget,
                                         grid=[list(g) for g in grid], argv=sys.argv[1:],
                                         flexgen_options=args.flexgen_options),

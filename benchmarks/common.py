@@ -76,8 +76,13 @@ def copy_gbps(timer, cuda) -> float | None:
     return 2 * n * 4 / (ms * 1e-3) / 1e9
 
 
+# The document ids' dtype (``--doc-ids``): int32 as flexgen's helpers make them; int64 as
+# Hugging Face's packed-sequence ids arrive (compared in int64 by every peer).
+DOC_IDS_DTYPE = torch.int32
+
+
 def doc_ids(B, L, device, gen, mean_len, min_docs=2) -> torch.Tensor:
-    """int32 [B, L]: each row cut at random points into about L / mean_len documents."""
+    """[B, L] of DOC_IDS_DTYPE: each row cut at random points into about L / mean_len documents."""
     n_docs = max(min_docs, L // mean_len)
     rows = []
     for _ in range(B):
@@ -85,7 +90,17 @@ def doc_ids(B, L, device, gen, mean_len, min_docs=2) -> torch.Tensor:
         starts = torch.zeros(L, dtype=torch.int32)
         starts[cuts] = 1
         rows.append(torch.cumsum(starts, 0, dtype=torch.int32))
-    return torch.stack(rows).to(device)
+    return torch.stack(rows).to(device=device, dtype=DOC_IDS_DTYPE)
+
+
+def add_doc_ids_option(ap) -> None:
+    ap.add_argument("--doc-ids", choices=("int32", "int64"), default="int32",
+                    help="the document masks' id dtype (default int32; int64 as Hugging Face's)")
+
+
+def set_doc_ids(args) -> None:
+    global DOC_IDS_DTYPE
+    DOC_IDS_DTYPE = getattr(torch, args.doc_ids)
 
 
 def environment(cuda: bool, **extra) -> dict:
