@@ -39,7 +39,7 @@ import conftest
 from conftest import make_qkv
 
 # The Gluon forward's tests' switches and mods (as_if_hopper: plan Gluon kernels for CPU tensors).
-from test_forward_gluon import (GLUON, alibi_bias, as_if_hopper, doc_mask, needs_hopper,  # noqa: E402,F401
+from test_forward_gluon import (GLUON, alibi_bias, as_if_hopper, doc_mask, needs_hopper, seconds_mods,  # noqa: E402,F401
                                 relative_bias, uniform)
 
 
@@ -289,6 +289,7 @@ CASES = {
     # Lengths that are multiples of the blocks (EVEN): partial tiles mask with mask_mod alone.
     "document_even_gqa_d64": (64, torch.bfloat16, 4, 2, 512, 512, None, "doc", 128, {}),
     "sliding_even_d128": (128, torch.bfloat16, 2, 2, 512, 512, None, M.sliding_window(100), 128, {}),
+    "seconds_d128": (128, torch.bfloat16, 2, 2, 300, 300, "seconds", "seconds", 128, {}),
 }
 
 
@@ -298,9 +299,10 @@ def case_inputs(name, device="cpu"):
     score = {"alibi": lambda: alibi_bias(H, device), "learned": lambda: learned_bias(H, device),
              "relbias": lambda: relative_bias(H, Lq, Lkv, device),
              "learned_relbias": lambda: relative_bias(H, Lq, Lkv, device, learned=True),
-             "uniform": lambda: uniform,
+             "uniform": lambda: uniform, "seconds": lambda: seconds_mods(max(Lq, Lkv), device)[0],
              }.get(score, lambda: score)()
     mask = doc_mask(max(Lq, Lkv), device) if mask == "doc" else mask
+    mask = seconds_mods(max(Lq, Lkv), device)[1] if mask == "seconds" else mask
     bm = None if mask is None else create_block_mask(mask, None, None, Lq, Lkv, device=device,
                                                      BLOCK_SIZE=block)
     return q, k, v, score, bm, dict(GLUON, **options)

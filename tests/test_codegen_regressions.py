@@ -407,3 +407,28 @@ def test_an_int64_element_compared_beyond_int32_is_not_decided_at_trace_time():
     window = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx - kv_idx < 10 ** 10, 1, 1, 8, 8,
                                device="cpu")
     assert window.full_kv_num_blocks.sum() == 1
+
+
+@pytest.mark.parametrize("L", [40, 128])
+def test_float64_tables_computed_in_float64(L):
+    """Unix timestamps (1.7e9 s) in a float64 tensor: float32 holds them to 128 s, so the
+    kernels' differences of neighbours were 0 or 128 where torch's are a few seconds."""
+    g = torch.Generator().manual_seed(L)
+    seconds = 1.7e9 + torch.cumsum(torch.rand(L, generator=g, dtype=torch.float64) * 10, 0)
+    scale = torch.tensor([0.05, 0.2], dtype=torch.float64, requires_grad=True)
+
+    def decay_by_time(score, b, h, q_idx, kv_idx):
+        return score - (seconds[q_idx] - seconds[kv_idx]).abs() * scale[h]
+
+    def within_a_minute(b, h, q_idx, kv_idx):
+        return (seconds[q_idx] - seconds[kv_idx]).abs() < 60.0
+
+    _check_gradients(decay_by_time, L, mask_mod=within_a_minute)
+    dense = flexgen.create_mask(within_a_minute, 1, 1, L, L, device="cpu")
+    assert torch.equal(dense[0, 0], (seconds[:, None] - seconds[None, :]).abs() < 60.0)
+    # The learned float64 scale's gradient, against autograd through the oracle.
+    q, k, v = (torch.randn(1, 2, L, 32, generator=g) for _ in range(3))
+    got = torch.autograd.grad(flex_attention(q, k, v, score_mod=decay_by_time).sum(), scale)[0]
+    want = torch.autograd.grad(flex_attention_reference(q, k, v, decay_by_time).sum(), scale)[0]
+    assert got.dtype == torch.float64
+    assert (got - want).abs().max() <= 1e-4 * max(want.abs().max().item(), 1.0)

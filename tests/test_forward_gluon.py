@@ -293,7 +293,22 @@ CASES = {
     # A constant score_mod (uniform weights over a document): a literal broadcast to the
     # score tile's layout (the Gluon fuzz's find too).
     "uniform_document_d128": (128, torch.bfloat16, 2, 2, 300, 300, "uniform", "doc", 128),
+    # float64 timestamps in the score_mod and the mask_mod: float64 arithmetic on the tiles.
+    "seconds_d64": (64, torch.bfloat16, 2, 2, 300, 300, "seconds", "seconds", 128),
 }
+
+
+def seconds_mods(L, device="cpu"):
+    """(score_mod, mask_mod) reading float64 Unix timestamps: their differences are computed
+    in float64 (a float32 element holds them to 128 s), then the score is float32 again."""
+    seconds = 1.7e9 + torch.arange(L, device=device, dtype=torch.float64) * 3.5
+
+    def decay_by_time(score, b, h, q_idx, kv_idx):
+        return score - (seconds[q_idx] - seconds[kv_idx]).abs() * 0.01
+
+    def within_ten_minutes(b, h, q_idx, kv_idx):
+        return (seconds[q_idx] - seconds[kv_idx]).abs() < 600.0
+    return decay_by_time, within_ten_minutes
 
 
 def row_bias(score, b, h, q_idx, kv_idx):
@@ -328,8 +343,9 @@ def case_inputs(name, device="cpu"):
     if isinstance(score, str):
         score = {"alibi": lambda: alibi_bias(H, device), "row_bias": lambda: row_bias,
                  "relbias": lambda: relative_bias(H, Lq, Lkv, device), "integer_score": lambda: integer_score,
-                 "uniform": lambda: uniform}[score]()
+                 "uniform": lambda: uniform, "seconds": lambda: seconds_mods(max(Lq, Lkv), device)[0]}[score]()
     mask = first_rows if mask == "first_rows" else mask
+    mask = seconds_mods(max(Lq, Lkv), device)[1] if mask == "seconds" else mask
     mask = doc_mask(max(Lq, Lkv), device) if mask == "doc" else mask
     bm = None if mask is None else create_block_mask(mask, None, None, Lq, Lkv, device=device,
                                                      BLOCK_SIZE=block)

@@ -3,8 +3,8 @@
 One ``_print_<Class>`` method per sympy node type (sympy's own printer
 pattern): adding an operation is adding a method. Each method returns
 ``(code, kind)`` with kind "bool", "int" or "float", so the printer inserts
-the casts torch's promotion implies (int32 index math stays int32, an int64
-tensor's elements int64, float math is float32). Common subexpressions become
+the casts torch's promotion implies (int32 index math stays int32, float math
+is float32; an int64 or float64 tensor's elements keep their type). Common subexpressions become
 numbered temporaries; loads of captured buffers become statements with
 bounds-checked, wrapped indices.
 
@@ -92,6 +92,7 @@ class TritonPrinter:
         self.count = 0
         self.proven = frozenset(proven)
         self.full: dict = {}        # common subexpression symbol -> what it stands for
+        self.float_loads = False    # whether a float element was loaded (it may be float64)
 
     def define(self, sym, sub) -> None:
         """Print common subexpression ``sym`` = ``sub`` as a temporary."""
@@ -443,13 +444,25 @@ class TritonPrinter:
         return self._loaded(code, bool(e.is_integer))
 
     def _loaded(self, code: str, integer: bool) -> tuple:
-        """Loaded element ``code`` as the mod computes with it: float32, or an integer in int32
-        except an int64 tensor's, which stays int64 as in torch (ids that differ only above
-        bit 31 stay different). The kernel picks the type from the pointer's, at compile time."""
-        if not integer:
-            return self.temp(f"{code}.to(tl.float32)", "float")
-        raw, _ = self.temp(code, "int")
-        return self.temp(f"{raw}.to(tl.int64 if {raw}.dtype == tl.int64 else tl.int32)", "int")
+        """Loaded element ``code`` as the mod computes with it: an int64 or float64 tensor's
+        element in its own type, as torch computes it (ids that differ only above bit 31,
+        timestamps that differ in their last seconds stay different), any other in int32 or
+        float32. The kernel picks the type from the pointer's, at compile time. A float64
+        value makes what follows float64 too; the snippet's float result is float32 again
+        (``print_snippet``)."""
+        kind = "int" if integer else "float"
+        wide, narrow = ("tl.int64", "tl.int32") if integer else ("tl.float64", "tl.float32")
+        self.float_loads |= not integer
+        raw, _ = self.temp(code, kind)
+        return self.temp(f"{raw}.to({wide} if {raw}.dtype == {wide} else {narrow})", kind)
+
+    def result(self, e) -> tuple:
+        """``e`` printed as a snippet's value: float32 where it is a float (a float64 load
+        before it made it float64; the templates' tiles and statistics are float32)."""
+        code, kind = self.print(e)
+        if kind == "float" and self.float_loads:
+            code = f"({code}).to(tl.float32)"
+        return code, kind
 
     def _print_proven_load(self, e):
         """A load every index of which the host proved in [0, size) over the call's positions.
@@ -539,7 +552,7 @@ def print_joint(exprs, temp_prefix: str, proven=frozenset()) -> JointSnippet:
                                       order="none")
     for sym, sub in replacements:
         printer.define(sym, sub)
-    printed = [printer.print(r) for r in reduced]
+    printed = [printer.result(r) for r in reduced]
     return JointSnippet(tuple(printer.lines), tuple(c for c, _ in printed), tuple(k for _, k in printed),
                         tuple(tuple(sorted(free_indices(e))) for e in exprs))
 
@@ -560,7 +573,7 @@ def print_snippet(expr, temp_prefix: str, proven=frozenset()) -> Snippet:
                                          order="none")
     for sym, sub in replacements:
         printer.define(sym, sub)
-    code, kind = printer.print(reduced)
+    code, kind = printer.result(reduced)
     return Snippet(tuple(printer.lines), code, kind, tuple(sorted(free_indices(expr))))
 
 

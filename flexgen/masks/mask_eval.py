@@ -365,7 +365,7 @@ class _Lang:
     operand is one (``tl.where(c, 1, 0)`` is int32 in Triton, int64 in torch).
     """
 
-    float32, int32, int64 = torch.float32, torch.int32, torch.int64
+    float32, float64, int32, int64 = torch.float32, torch.float64, torch.int32, torch.int64
     # (a folded constant made a tensor first)
     exp, exp2, log, sqrt, rsqrt, log2, sin, cos, sigmoid, abs, floor, ceil, erf = (
         staticmethod(_lifted(f)) for f in (torch.exp, torch.exp2, torch.log, torch.sqrt, torch.rsqrt,
