@@ -89,8 +89,8 @@ def test_auto_picks_gluon_for_large_calls_only(as_if_hopper):
 
 def test_auto_takes_gluon_from_fewer_scores_at_head_dim_128(as_if_hopper):
     """Between GLUON_MIN_SCORES_D128 and GLUON_MIN_SCORES scores AUTO takes the Gluon kernel
-    at head dim 128 where no mod reads a captured tensor and at 256 always (plan.gluon_min_scores);
-    at head dim 64, or 128 with a captured tensor, the tl kernel."""
+    at head dims 128 and 256, captured tensors or not (plan.gluon_min_scores); at head dim 64
+    the tl kernel; below GLUON_MIN_SCORES_D128 the tl kernel everywhere."""
     L = 4096
     assert plan_module.GLUON_MIN_SCORES_D128 <= 16 * L * L < plan_module.GLUON_MIN_SCORES
     bias = torch.randn(16)
@@ -106,10 +106,13 @@ def test_auto_takes_gluon_from_fewer_scores_at_head_dim_128(as_if_hopper):
 
     assert template(128, block_mask=causal) == "forward_gluon"
     assert template(128, score_mod=M.alibi(16)) == "forward_gluon"
-    assert template(128, score_mod=head_bias) == "forward"
-    assert template(128, score_mod=head_bias, kernel_options=GLUON) == "forward_gluon"
+    assert template(128, score_mod=head_bias) == "forward_gluon"
     assert template(64, block_mask=causal) == "forward"
+    assert template(64, score_mod=head_bias, kernel_options=GLUON) == "forward_gluon"
     assert template(256, score_mod=head_bias) == "forward_gluon"
+    q, k, v = make_qkv(B=1, H=16, L=L // 4, D=128, dtype=torch.bfloat16)
+    assert 16 * (L // 4) ** 2 < plan_module.GLUON_MIN_SCORES_D128
+    assert flexgen.api.plan(q, k, v, score_mod=head_bias).spec.template == "forward"
 
 
 def test_auto_keeps_tl_for_narrow_bands_at_head_dim_64(as_if_hopper):

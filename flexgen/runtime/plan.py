@@ -54,9 +54,12 @@ GLUON_MIN_SCORES = 2 ** 30
 # tl kernel's does, and at head dim 128 an H200 measured the Gluon kernel faster from 2**28
 # scores on: 16 heads, 8 x 2k and 16 x 1k tokens, 7-22% in every variant whose mods read no
 # captured tensor (benchmarks/NOTES.md, 2026-11-27 fifth session). There AUTO takes it from
-# GLUON_MIN_SCORES_D128. At head dim 64 it lost by 2-17% at those sizes; where a mod reads
-# captured tensors (the small model's document mask and learned relative bias, 2 x 8 heads x
-# 4k at 128) it ran 0.90x the tl kernel.
+# GLUON_MIN_SCORES_D128. At head dim 64 it lost by 2-17% at those sizes. Where a mod reads
+# captured tensors it ran 0.90x the tl kernel on 2026-11-27 (the small model's document mask and
+# learned relative bias, 2 x 8 heads x 4k), and 1.00-1.95x since its loads read clamped positions
+# (2026-11-30, 2**28 and 2**29 scores in four shapes: documents 1.21-1.41x, a relative bias
+# 1.64-1.95x, a per-key bias 1.17-1.23x; benchmarks/NOTES.md, sixth session): such mods take it
+# from GLUON_MIN_SCORES_D128 as well.
 GLUON_MIN_SCORES_D128 = 2 ** 28
 # At head dim 256 (64-key slots) an H200 measured the Gluon kernel 1.3-1.7x the tl kernel from
 # 2**28 scores on (16 heads, 4k to 16k; full, causal, ALiBi, and a document mask reading captured
@@ -358,7 +361,7 @@ def _plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_
     plan.pointer_spec = spec(False) if use_tma else plan.spec
     plan.tune_blocks = None if opts.sets_tiles else (sparse_q, sparse_kv)
     if (opts.BACKEND == "AUTO" and GLUON_AUTO and not opts.sets_tiles
-            and B * Hq * Lq * Lkv >= gluon_min_scores(D, score_buffers, mask_buffers)
+            and B * Hq * Lq * Lkv >= gluon_min_scores(D)
             and not _narrow_band(mask, D)):
         gluon, _ = _gluon_spec(query, key, value, score, mask, info, opts, proven)
     elif opts.BACKEND != "gluon":
@@ -372,14 +375,10 @@ def _plan_attention(query, key, value, score_mod, score_buffers, mask_mod, mask_
     return plan
 
 
-def gluon_min_scores(D: int, score_buffers, mask_buffers) -> int:
+def gluon_min_scores(D: int) -> int:
     """The fewest scores for which AUTO takes the Gluon forward kernel at head dim ``D`` (as the
-    kernel pads it): GLUON_MIN_SCORES_D128 at 256, and at 128 where no mod reads a captured
-    tensor, else GLUON_MIN_SCORES."""
-    D = pad_head_dim(D)
-    if D == 256 or (D == 128 and not len(score_buffers) and not len(mask_buffers)):
-        return GLUON_MIN_SCORES_D128
-    return GLUON_MIN_SCORES
+    kernel pads it): GLUON_MIN_SCORES_D128 at 128 and 256, else GLUON_MIN_SCORES."""
+    return GLUON_MIN_SCORES_D128 if pad_head_dim(D) in (128, 256) else GLUON_MIN_SCORES
 
 
 def _narrow_band(mask, D: int) -> bool:
@@ -845,7 +844,7 @@ def _plan_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, score_mod, score
     # packed views, no tiles of the caller's; "gluon": always, or an InputError saying why not).
     _, Hq, total_q, D = views[0].shape
     auto = (opts.BACKEND == "AUTO" and GLUON_AUTO and not opts.sets_tiles
-            and Hq * total_q * views[1].shape[2] >= gluon_min_scores(D, score_buffers, mask_buffers)
+            and Hq * total_q * views[1].shape[2] >= gluon_min_scores(D)
             and not _narrow_band(base.mask, D))
     if auto or opts.BACKEND == "gluon":
         gluon, why = _gluon_spec(*views, base.score, base.mask, None, opts, base.proven)
