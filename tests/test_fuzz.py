@@ -157,8 +157,9 @@ class Expr:
 
     ``bound`` bounds |value| (softly for the score), so that generation keeps
     values sane; ``score`` / ``learnable``: depends on the score / on a float
-    captured tensor; ``step``: a floor, ceil or sign of something that does
-    (so the gradient may legitimately be refused).
+    captured tensor; ``step``: a floor, ceil or sign of something that does, or
+    any integer value computed from it (``torch.where(score <= c, ids[a], ids[b])``):
+    piecewise constant, so the gradient may legitimately be refused.
     """
     op: str
     args: tuple = ()
@@ -265,7 +266,8 @@ def node(op, *args, kind="float", bound=None):
         bound = max([x.bound for x in children] + numbers)
     score = any(x.score for x in children)
     learnable = any(x.learnable for x in children)
-    step = any(x.step for x in children) or (op in ("floor", "ceil", "sign") and (score or learnable))
+    step = any(x.step for x in children) or ((op in ("floor", "ceil", "sign") or kind == "int")
+                                             and (score or learnable))
     return Expr(op, args, kind, float(bound), score, learnable, step)
 
 
