@@ -414,8 +414,8 @@ def test_auto_follows_the_mods_loads_of_captured_tensors(as_if_hopper, monkeypat
     read at the positions (a per-key bias: the two kernels would load it twice), from 3.5 waves,
     and at head dim 128 takes the Gluon dK/dV kernel at 64 query rows over the tl one for the
     rest (a document mask, a relative bias's table read at both positions), from
-    GLUON_DKDV_LOADS_MIN_SCORES on (the dQ and fused kernels from GLUON_BACKWARD_MIN_SCORES);
-    neither for a tensor read per head or plain rows left to the two kernels."""
+    GLUON_BACKWARD_MIN_SCORES_D128 on (with the Gluon dQ kernel unless a captured tensor wants
+    a gradient); neither for a tensor read per head or plain rows left to the two kernels."""
     monkeypatch.setattr(plan_module, "GLUON_FUSED", None)
     q, k, v = make_qkv(B=1, H=64, L=4096, D=D, dtype=torch.bfloat16)
     causal = create_block_mask(M.causal_mask, None, None, 4096, 4096, device="cpu")
@@ -441,13 +441,17 @@ def test_auto_follows_the_mods_loads_of_captured_tensors(as_if_hopper, monkeypat
         gluon = backward_plan(q, k, v, relative_bias(64, 4096, 4096), documents, options=None)[1].gluon_dkdv
         assert gluon is not None and gluon.block_m == 64
         # The small model's attention (2 x 8 heads x 4k, 2**28 scores: a learned relative bias
-        # under a document mask): the Gluon dK/dV kernel, the tl dQ kernel, nothing fused.
+        # under a document mask): the Gluon dK/dV kernel, the tl dQ kernel (it scatters the
+        # bias's gradient), nothing fused; a per-key bias there the Gluon dQ kernel too.
         small = make_qkv(B=2, H=8, L=4096, D=D, dtype=torch.bfloat16)
         docs2 = create_block_mask(doc_mask(4096), 2, None, 4096, 4096, device="cpu")
-        for score in (relative_bias(8, 4096, 4096, learned=True), key_bias):
+        for score, gluon_dq in ((relative_bias(8, 4096, 4096, learned=True), False), (key_bias, True)):
             bw = backward_plan(*small, score, docs2, options=None)[1]
-            assert bw.gluon_dkdv is not None and bw.gluon_dq is None and bw.gluon_fused is None
-        assert backward_plan(*small, None, causal, options=None)[1].gluon_dkdv is None
+            assert bw.gluon_dkdv is not None and (bw.gluon_dq is not None) == gluon_dq
+            assert bw.gluon_fused is None
+        # Plain causal rows there: the fused kernel (not the Gluon dK/dV kernel at 64 rows).
+        plain = backward_plan(*small, None, causal, options=None)[1]
+        assert plain.gluon_dkdv is None and plain.gluon_dq is not None and plain.gluon_fused is not None
         smaller = make_qkv(B=1, H=8, L=4096, D=D, dtype=torch.bfloat16)
         assert backward_plan(*smaller, None, documents, options=None)[1].gluon_dkdv is None
         torch.use_deterministic_algorithms(True)

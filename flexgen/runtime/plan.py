@@ -77,26 +77,29 @@ GLUON_MIN_BAND_D64 = 2048
 # none at 64; taken as key and row terms, KernelSpec.score_terms, it computes none).
 GLUON_DKDV_BLOCK_M = {64: 128, 128: 64}
 # AUTO takes it (sm_90; the dQ kernel by its own rules below) where it steps 128 queries, for
-# calls of at least GLUON_BACKWARD_MIN_SCORES scores: the H100 measured it 1.12-1.31x the tl
+# calls of at least GLUON_BACKWARD_MIN_SCORES scores (GLUON_BACKWARD_MIN_SCORES_D128 at head
+# dim 128): the H100 measured it 1.12-1.31x the tl
 # dK/dV kernel there (16k: full 3.47 against 4.98 ms, causal 1.88 against 2.33, softcap's
 # backward 8.9 against 11.7), even on document and sliding-window masks, and 12% slower on
 # ALiBi at 128 rows; at 64 rows it ties the tl kernel (benchmarks/NOTES.md, "Gluon dK/dV").
 GLUON_BACKWARD_MIN_SCORES = 2 ** 30
-# Where the mods read captured tensors per element (a mask_mod's on the partial tiles, a
-# score_mod's not taken as key and row terms), AUTO takes the Gluon dK/dV kernel at 64 query
-# rows (head dim 128) from this size on. Its GPU time against the tl kernel's (H200, the dQ
-# kernel tl in both; whole backward): a learned relative bias rel[h, q - kv] under a document
-# mask 1.21-1.25x from 2**24 to 2**30 scores (the small model's attention, 2 x 8 heads x 4k:
-# dK/dV 136 -> 86 us), a document mask 1.01-1.11x, a relative bias under a causal mask
-# 1.05-1.15x, a per-key bias 1.08-1.15x (benchmarks/NOTES.md, 2026-11-30 third session;
-# earlier, the dK/dV kernel alone at 16 x 16k and 4 x 4k: documents -4.3% / -3.9%, documents +
-# causal -2.7% / -4.7%, a per-key bias -3.2% / -4.5%).
-# Below 2**28 those calls are bound by the host, and their wall time read 0.59-1.08x with it.
-GLUON_DKDV_LOADS_MIN_SCORES = 2 ** 28
+# At head dim 128, AUTO takes the Gluon backward kernels by the same rules from this size on.
+# Whole backward against the tl kernels' on an H200 (2026-11-30, sixth session; 2**29 and 2**28
+# scores, 8 x 16 heads x 2k and 16 x 16 x 1k): the fused kernel full 1.14x / 1.13x, causal
+# 1.10x / 1.05x, a 1024-key window 1.09x / 1.06x, ALiBi 1.19x / 1.14x; a document mask's two
+# Gluon kernels 1.10x / 1.10x against the Gluon dK/dV with the tl dQ kernel. Before, the Gluon
+# dK/dV kernel at 64 query rows alone took this size where the mods read captured tensors per
+# element (a mask_mod's on the partial tiles, a score_mod's not taken as key and row terms): a
+# learned relative bias rel[h, q - kv] under a document mask 1.21-1.25x from 2**24 to 2**30
+# scores (the small model's attention, 2 x 8 heads x 4k: dK/dV 136 -> 86 us), a document mask
+# 1.01-1.11x, a relative bias under a causal mask 1.05-1.15x, a per-key bias 1.08-1.15x
+# (benchmarks/NOTES.md, 2026-11-30 third session). Below 2**28 such calls are bound by the
+# host, and their wall time read 0.59-1.08x with it.
+GLUON_BACKWARD_MIN_SCORES_D128 = 2 ** 28
 # The Gluon dQ kernel's keys per step (BLOCK_N2 sets them; 64 where the score_mod computes a
 # tile of both positions: ALiBi per element spilled at 128 and head dim 128). AUTO takes the kernel for calls
-# of at least GLUON_BACKWARD_MIN_SCORES scores at head dim 128, and at head dim 64 under a block
-# mask where it steps 128 keys. The H100 measured (16k, dQ kernel alone): head dim 128 full
+# of at least GLUON_BACKWARD_MIN_SCORES_D128 scores at head dim 128, and of GLUON_BACKWARD_MIN_SCORES
+# at head dim 64 under a block mask where it steps 128 keys. The H100 measured (16k, dQ kernel alone): head dim 128 full
 # 4.11 against the tl kernel's 4.98-5.13 ms, causal 2.13 against 2.67, softcap 5.47 against
 # 6.13, ALiBi 4.42 (64 keys) against 5.04; head dim 64 causal 1.38 against 1.50, document 0.56
 # against 0.74, but full 2.62 against 2.44, softcap 3.88 against 3.58, ALiBi 2.81 at 64 keys
@@ -617,15 +620,15 @@ def plan_backward(plan: AttentionPlan, query, key, value, grad_slots: tuple):
         gluon = gluon_dq = None
         auto = opts.BACKEND == "AUTO" and not opts.sets_tiles
         scores = plan.B * plan.Hq * plan.Lq * plan.Lkv
-        big = opts.BACKEND == "gluon" or (auto and scores >= GLUON_BACKWARD_MIN_SCORES)
-        loads = _loads_per_element(bw.dkdv)
-        if big or (auto and loads and plan.D == 128 and scores >= GLUON_DKDV_LOADS_MIN_SCORES):
+        big = opts.BACKEND == "gluon" or (auto and scores >= (
+            GLUON_BACKWARD_MIN_SCORES_D128 if plan.D == 128 else GLUON_BACKWARD_MIN_SCORES))
+        if big:
             gluon, _ = gluon_backward_spec(plan, query, key, value, bw.dkdv)
             # At 64 query rows it ties the tl kernel on plain rows (H100): AUTO keeps the tl
-            # kernel there, and for a score_mod computing a tile of both positions, but not
-            # where the mods read captured tensors per element (GLUON_DKDV_LOADS_MIN_SCORES).
+            # kernel there (the fused kernel may take them), and for a score_mod computing a
+            # tile of both positions, but not where the mods read captured tensors per element.
             if auto and gluon is not None and gluon.block_m < 128 and (
-                    not loads or _tile_of_both_positions(bw.dkdv)):
+                    not _loads_per_element(bw.dkdv) or _tile_of_both_positions(bw.dkdv)):
                 gluon = None
         if big:
             gluon_dq, _ = gluon_backward_spec(plan, query, key, value, bw.dq)
