@@ -466,8 +466,9 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGALRM, _raise)
     t_start = time.monotonic()
     deadline = t_start + args.budget
-    payload = dict(env=env, config=dict(tokens=args.tokens, heads=args.heads, dtype="bfloat16", window=WINDOW, doc_ids=args.doc_ids,
-                                        softcap=SOFTCAP, doc_avg=DOC_AVG, budget_s=args.budget,
+    payload = dict(env=env, config=dict(tokens=args.tokens, heads=args.heads, dtype="bfloat16", window=WINDOW,
+                                        doc_ids=args.doc_ids, softcap=SOFTCAP, doc_avg=DOC_AVG,
+                                        budget_s=args.budget,
                                         flops_per_pair=dict(fwd=FWD_FLOPS, bwd=BWD_FLOPS,
                                                             fwdbwd=FWD_FLOPS + BWD_FLOPS),
                                         check_tol=CHECK_TOL, donated_buffer_was=donated,

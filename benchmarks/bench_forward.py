@@ -738,8 +738,9 @@ def main(argv=None) -> int:
     t_start = time.monotonic()
     deadline = t_start + args.budget
     reserve = 0 if (args.no_mask_bench and args.no_overhead) else (10 if args.smoke else 60)
-    payload = dict(env=env, config=dict(tokens=args.tokens, heads=args.heads, dtype="bfloat16", window=WINDOW, doc_ids=args.doc_ids,
-                                        softcap=SOFTCAP, doc_avg=DOC_AVG, prefix="L/4", budget_s=args.budget,
+    payload = dict(env=env, config=dict(tokens=args.tokens, heads=args.heads, dtype="bfloat16", window=WINDOW,
+                                        doc_ids=args.doc_ids, softcap=SOFTCAP, doc_avg=DOC_AVG,
+                                        prefix="L/4", budget_s=args.budget,
                                         grid=[list(g) for g in grid], argv=sys.argv[1:],
                                         flexgen_options=args.flexgen_options),
                    cases=[])

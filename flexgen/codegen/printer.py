@@ -4,9 +4,9 @@ One ``_print_<Class>`` method per sympy node type (sympy's own printer
 pattern): adding an operation is adding a method. Each method returns
 ``(code, kind)`` with kind "bool", "int" or "float", so the printer inserts
 the casts torch's promotion implies (int32 index math stays int32, float math
-is float32; an int64 or float64 tensor's elements keep their type). Common subexpressions become
-numbered temporaries; loads of captured buffers become statements with
-bounds-checked, wrapped indices.
+is float32; an int64 or float64 tensor's elements keep their type). Common
+subexpressions become numbered temporaries; loads of captured buffers become
+statements with bounds-checked, wrapped indices.
 
 The snippet uses the names the template binds: ``score`` (float32 tile),
 ``b``, ``h`` (scalars), ``q_idx`` (column vector), ``kv_idx`` (row vector),

@@ -421,7 +421,7 @@ _HELPERS = {"_floordiv": _lifted(_floordiv), "_floormod": _lifted(_floormod),
 _INDEX_NAMES = ("b", "h", "q_idx", "kv_idx")
 # Python syntax whose meaning is the same on torch tensors as on Triton tensors.
 # Not //, % or ** (the printer emits helpers for those) nor `and` / `or`. A conditional
-# expression only picks a loaded integer's type from its dtype (printer._loaded).
+# expression only picks a loaded element's type from its dtype (printer._loaded).
 _SYNTAX = (ast.Module, ast.Assign, ast.Name, ast.Load, ast.Store, ast.Attribute, ast.Call, ast.IfExp,
            ast.keyword, ast.BinOp, ast.UnaryOp, ast.Compare, ast.Constant, ast.List,
            ast.Add, ast.Sub, ast.Mult, ast.Div, ast.BitAnd, ast.BitOr, ast.BitXor,
