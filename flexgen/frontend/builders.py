@@ -178,11 +178,11 @@ def _compare_beyond_int32(tracer: _Tracer, op: str, a, b):
         number = _plain(number)
         if _kind(value) == "f" or isinstance(number, bool) or not isinstance(number, (int, float)):
             continue
-        if isinstance(value, Proxy) and tracer.reads_int64(value._node) and number == number:
-            continue
         if number != number:                                    # NaN: only != holds
             return _const(tracer, op == "ne")
         if _INT32_MIN <= number <= _INT32_MAX:
+            continue
+        if isinstance(value, Proxy) and tracer.reads_int64(value._node):
             continue
         # value < number for every int32 value when number is above them, > when below.
         below = (number > _INT32_MAX) != flipped
