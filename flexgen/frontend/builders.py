@@ -65,7 +65,8 @@ def _const(tracer: _Tracer, value) -> Proxy:
             # The kernels compute integers in int32 (as torch's compiled FlexAttention does):
             # such a constant failed deep in Triton ("Scalar ... is out of range for type int32").
             raise tracer.fail(f"the integer constant {value} does not fit in int32, the type "
-                              "the kernels compute integers in",
+                              "the kernels compute integer constants and positions in (an int64 "
+                              "tensor's elements stay int64, but not the constants they meet)",
                               "use a constant within [-2**31, 2**31) (a hash multiplier can be "
                               "taken modulo 2**32 and shifted into that range), or a float")
         return _proxy(tracer, f"const i {value}", "i")
