@@ -166,6 +166,40 @@ def test_a_trace_on_fake_tensors_leaves_nothing_fake_behind():
     assert flex_attention(torch.randn(1, 2, 16, D), k, v).shape == (1, 2, 16, D)
 
 
+def test_reflected_operators_with_captured_scalars_match_eager():
+    """A captured 0-d tensor on the right of a non-commutative operator (``score / temperature``,
+    ``score - cap``, ``**``, ``//``, ``%``): torch defines these reflected operators in Python,
+    and dynamo hands the trace mode another object for them than torch.Tensor's. A learned
+    temperature's gradient equals eager's."""
+    cap, three = torch.tensor(5.0), torch.tensor(3)
+    mods = [lambda s, b, h, q, kv: s - cap,
+            lambda s, b, h, q, kv: s.abs() ** (cap / 5),
+            lambda s, b, h, q, kv: s + q // cap,
+            lambda s, b, h, q, kv: s + q % three]
+    q, k, v = make_qkv(B=B, H=H, L=L, D=D)
+    for mod in mods:
+        torch._dynamo.reset()
+        fn, _ = compiled(lambda q, k, v: flex_attention(q, k, v, score_mod=mod))
+        close(fn(q, k, v), flex_attention_reference(q, k, v, mod, None), 1e-4)
+
+    class Tempered(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.temperature = torch.nn.Parameter(torch.tensor(2.0))
+
+        def forward(self, q, k, v):
+            return flex_attention(q, k, v, score_mod=lambda s, b, h, qi, kv: s / self.temperature)
+
+    module = Tempered()
+    cmod = torch.compile(module, fullgraph=True, backend="aot_eager")
+    grads = []
+    for run in (cmod, module):
+        module.temperature.grad = None
+        (run(q, k, v) * torch.linspace(-1, 1, D)).sum().backward()
+        grads.append(module.temperature.grad.clone())
+    close(*grads, 1e-4)
+
+
 def test_paged_cache_attention_compiles_once_as_its_sequences_grow():
     """PagedKVCache.attention in a compiled decode step: no graph break, and one frame while the
     cache grows between steps (its host lengths are not read while compiling; the kernel reads

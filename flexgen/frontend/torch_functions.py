@@ -281,7 +281,10 @@ _FUNCTION_NAMES = set(UNARY) | {"where", "clamp", "minimum", "maximum", "masked_
 
 
 def _torch_function(func, args, kwargs):
-    impl = _FUNCTIONS.get(func)
+    if getattr(func, "__module__", None) == "torch._tensor":
+        impl = _TENSOR_OPERATORS.get(getattr(func, "__name__", None))
+    else:
+        impl = _FUNCTIONS.get(func)
     if impl is None:
         tracer = _tracer_of(*args, *kwargs.values())
         name = getattr(func, "__name__", str(func))
@@ -348,3 +351,10 @@ from .builders import (  # noqa: E402
 
 # Built at import (~2 ms): torch.compile traces the lookups, but not the building.
 _FUNCTIONS = _functions()
+# The operators torch.Tensor defines in Python (torch/_tensor.py: __rsub__, __rtruediv__,
+# __rpow__, __rfloordiv__, __rmod__, ...), by name: under torch.compile the table's lookup of
+# them misses (dynamo's view of the wrapped function is not the key), then its guard fails
+# (``score / temperature`` with a captured 0-d tensor).
+_TENSOR_OPERATORS = {name: _FUNCTIONS[obj] for name, obj in vars(torch.Tensor).items()
+                     if name.startswith("__") and getattr(obj, "__module__", None) == "torch._tensor"
+                     and obj in _FUNCTIONS}
