@@ -200,6 +200,30 @@ def test_reflected_operators_with_captured_scalars_match_eager():
     close(*grads, 1e-4)
 
 
+def test_paged_cache_append_in_a_compiled_step_runs_outside_the_graph():
+    """PagedKVCache's bookkeeping (page allocation, token counts in Python) is not traced: in a
+    compiled step that appends and attends, one frame for every step (not a recompile a step as
+    its lengths grow) and eager's outputs; fullgraph=True refuses it saying where it belongs."""
+    def make():
+        cache = flexgen.PagedKVCache(num_pages=16, page_size=8, num_kv_heads=2, head_dim=D, max_batch=2,
+                                     max_pages_per_seq=8, dtype=torch.float32, device="cpu")
+        return cache, [cache.add_sequence() for _ in range(2)]
+
+    def step(cache, slots, q, k, v):
+        cache.append(slots, k, v)
+        return cache.attention(q, slots)
+
+    (cache, slots), (twin, twin_slots) = make(), make()
+    counter = CompileCounterWithBackend("aot_eager")
+    cstep = torch.compile(step, backend=counter)
+    for _ in range(10):
+        q, k, v = torch.randn(2, 4, 1, D), torch.randn(2, 2, 1, D), torch.randn(2, 2, 1, D)
+        close(cstep(cache, slots, q, k, v), step(twin, twin_slots, q, k, v))
+    assert counter.frame_count == 1 and cache.length(slots[0]) == 10
+    with pytest.raises(Exception, match="outside the compiled function"):
+        compiled(step)[0](cache, slots, q, k, v)
+
+
 def test_paged_cache_attention_compiles_once_as_its_sequences_grow():
     """PagedKVCache.attention in a compiled decode step: no graph break, and one frame while the
     cache grows between steps (its host lengths are not read while compiling; the kernel reads

@@ -46,6 +46,19 @@ class CacheFullError(InputError):
     """The paged KV cache has no free page (or sequence slot) for a request."""
 
 
+def _host_bookkeeping(method):
+    """A cache method that allocates pages and counts tokens in Python: torch.compile runs it
+    as it is (a graph break; ``fullgraph=True`` refuses it with this reason) rather than trace
+    it, where the lengths it reads would be specialized in the graph, one recompile a step."""
+    reason = ("PagedKVCache's page allocation and token counts live in Python; call append / "
+              "reserve / add_sequence / free outside the compiled function (cache.attention "
+              "compiles once)")
+    try:
+        return torch.compiler.disable(method, reason=reason)
+    except TypeError:       # a torch before disable's reason
+        return torch.compiler.disable(method)
+
+
 def _positive(name, value, fix):
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise expected(name, "a positive int", repr(value), fix)
@@ -118,6 +131,7 @@ class PagedKVCache:
         """The physical pages of ``slot``'s sequence, in logical order."""
         return list(self._pages[self._check_slot(slot)])
 
+    @_host_bookkeeping
     def add_sequence(self) -> int:
         """Claim a free slot for a new, empty sequence and return it."""
         for slot, active in enumerate(self._active):
@@ -128,6 +142,7 @@ class PagedKVCache:
                              "in use. Fix: free finished sequences with cache.free(slot), or create "
                              "the cache with a larger max_batch")
 
+    @_host_bookkeeping
     def free(self, slot: int) -> None:
         """End the sequence in ``slot``: its pages go back to the pool, the slot to the free slots."""
         slot = self._check_slot(slot)
@@ -163,6 +178,7 @@ class PagedKVCache:
             raise expected("slots", "distinct sequence slots", slots, "list each sequence once")
         return slots
 
+    @_host_bookkeeping
     def reserve(self, slots, new_lengths) -> None:
         """Make sure each sequence of ``slots`` has pages for ``new_lengths`` tokens.
 
@@ -197,6 +213,7 @@ class PagedKVCache:
             index = self._to_device([rows, cols, pages], torch.int64)
             self.page_table[index[0], index[1]] = index[2].to(torch.int32)
 
+    @_host_bookkeeping
     def advance(self, slots, counts) -> None:
         """Count ``counts[b]`` more tokens in the sequence of ``slots[b]``, on the host only.
 
@@ -267,6 +284,7 @@ class PagedKVCache:
         return self.page_table[index], self.lengths[index]
 
     # --- writing ----------------------------------------------------------------------
+    @_host_bookkeeping
     def append(self, slots, key, value, counts=None, *, rope=None, query=None):
         """Append new keys / values to the sequences of ``slots`` (prefill chunks or single tokens).
 
