@@ -56,11 +56,11 @@ def backward_plan(q, k, v, score=None, bm=None, options=GLUON):
     return call, plan_module.plan_backward(call, q, k, v, grad_slots(buffers))
 
 
-def gluon_backward_launch(q, k, v, score, bm, part, options=GLUON):
+def gluon_backward_launch(q, k, v, score, bm, part, options=GLUON, dlse=None):
     """(spec, grid, args, constexprs) of the Gluon backward kernel ``part`` ("dq", "dkdv" or
     "fused", which plan.GLUON_FUSED decides) for these CPU inputs and mods, as the runtime
-    would launch it (planned as if on Hopper: ``as_if_hopper``); None where the plan has no
-    such kernel."""
+    would launch it (planned as if on Hopper: ``as_if_hopper``; ``dlse``: the LSE's gradient);
+    None where the plan has no such kernel."""
     _, bw = backward_plan(q, k, v, score, bm, options)
     spec = {"dq": bw.gluon_dq, "dkdv": bw.gluon_dkdv, "fused": bw.gluon_fused}[part]
     if spec is None:
@@ -74,7 +74,7 @@ def gluon_backward_launch(q, k, v, score, bm, part, options=GLUON):
     score_buffers = () if score is None else trace_cached(score, "score_mod").buffers
     mask_buffers = () if bm is None else trace_cached(bm.mask_mod, "mask_mod").buffers
     grid, args, constexprs = module.arguments(
-        q=q, k=k, v=v, out=torch.empty_like(q), dout=torch.empty_like(q), lse=lse, dlse=None, delta=lse,
+        q=q, k=k, v=v, out=torch.empty_like(q), dout=torch.empty_like(q), lse=lse, dlse=dlse, delta=lse,
         # (the fused kernel's dQ: the float32 sum its reduce-adds go to)
         dq=torch.empty(q.shape) if part == "fused" else torch.empty_like(q), dk=torch.empty_like(k),
         dv=torch.empty_like(v), sparse=sparse, score_buffers=score_buffers, mask_buffers=mask_buffers,
@@ -340,6 +340,21 @@ def test_gluon_backward_compiles_for_sm90(as_if_hopper, monkeypatch, name, part)
     if name == "causal_d64_fp16":   # a grid of many waves takes its programs row by row too
         assert constexprs["BLOCK_MAJOR"]
         assert aot.compile_launch(spec, args, dict(constexprs, BLOCK_MAJOR=False)).asm.get("cubin")
+
+
+@pytest.mark.skipif(not conftest.AOT_ENABLED, reason="FLEXGEN_TEST_AOT=0")
+def test_gluon_dq_lse_gradient_compiles_for_sm90(as_if_hopper):
+    """A loss reading the LSE too: the dQ kernel subtracts its gradient from delta (HAS_DLSE), a
+    variant the cases above, launched without one, never compile."""
+    q, k, v, score, bm, options = case_inputs("causal_d64_fp16")
+    dlse = torch.empty(q.shape[:3])
+    spec, _, args, constexprs = gluon_backward_launch(q, k, v, score, bm, "dq", options, dlse=dlse)
+    assert constexprs["HAS_DLSE"] and any(arg is dlse for arg in args)
+    conftest.skip_outside_aot_sample(spec)
+    compiled = aot.compile_launch(spec, args, constexprs)
+    assert compiled.asm.get("cubin")
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
 
 
 @pytest.mark.skipif(not conftest.AOT_ENABLED, reason="FLEXGEN_TEST_AOT=0")

@@ -361,9 +361,9 @@ def gluon_launch(name, sigmoid=False):
     return gluon_forward_launch(*case_inputs(name), sigmoid=sigmoid)
 
 
-def gluon_forward_launch(q, k, v, score, bm, sigmoid=False):
+def gluon_forward_launch(q, k, v, score, bm, sigmoid=False, scale=0.125, write_max=True):
     """``gluon_launch`` for these inputs and mods (CPU tensors, planned as if on Hopper:
-    ``as_if_hopper``)."""
+    ``as_if_hopper``); ``write_max`` False: a call not asking for the max scores."""
     if sigmoid:
         spec = sigmoid_plan(q, k, v, score, bm, GLUON, enable_gqa=True).spec
     else:
@@ -380,7 +380,8 @@ def gluon_forward_launch(q, k, v, score, bm, sigmoid=False):
     mask_buffers = () if bm is None else trace_cached(bm.mask_mod, "mask_mod").buffers
     _, args, constexprs = module.arguments(
         q=q, k=k, v=v, out=out, lse=lse, sparse=sparse, score_buffers=score_buffers,
-        mask_buffers=mask_buffers, scale=0.125, max_scores=lse, **({"bias": -3.5} if sigmoid else {}))
+        mask_buffers=mask_buffers, scale=scale, max_scores=lse if write_max else None,
+        **({"bias": -3.5} if sigmoid else {}))
     return spec, args, constexprs
 
 
@@ -418,6 +419,23 @@ def test_gluon_sigmoid_kernel_compiles_for_sm90(as_if_hopper, name):
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "tanh.approx.f32" in ptx
     names = cache.load(spec, interpret=False).KERNEL.arg_names
     assert "SIGMOID_BIAS" in names and "LSE" not in names and "MAX" not in names
+
+
+@pytest.mark.skipif(not conftest.AOT_ENABLED, reason="FLEXGEN_TEST_AOT=0")
+@pytest.mark.parametrize("launch_kwargs, flag", [({"write_max": False}, "WRITE_MAX"),
+                                                 ({"scale": -0.125}, "SCALE_POSITIVE")],
+                         ids=["no_max_scores", "negative_scale"])
+def test_gluon_launch_flags_compile_for_sm90(as_if_hopper, launch_kwargs, flag):
+    """The flags the cases above always set, off as real launches turn them: most calls ask for
+    no max scores (WRITE_MAX), and a negative scale scales the scores, not the row maxima
+    (SCALE_POSITIVE, read without a score_mod: this case has none)."""
+    spec, args, constexprs = gluon_forward_launch(*case_inputs("causal_d64_fp16"), **launch_kwargs)
+    assert constexprs[flag] is False
+    conftest.skip_outside_aot_sample(spec)
+    compiled = aot.compile_launch(spec, args, constexprs)
+    assert compiled.asm.get("cubin")
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
 
 
 # ------------------------------------------------------------------------- on the GPU

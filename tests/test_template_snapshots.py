@@ -2,10 +2,11 @@
 
 tests/test_snapshots.py keeps one forward (pointer) kernel per mod in flexgen.mods; this
 file keeps the other templates and variants: the forward's TMA variant and its float32
-form (one pass over both block lists), the backward's
-dQ and dK/dV kernels (pointer and TMA, and the dQ kernel's deterministic fixed-point
-scatter), the Gluon dQ, dK/dV and fused kernels, the fused backward's delta kernel, decode,
-decode_merge, block_mask, block_lists and paged_write (linear and linear_decode: tests/test_linear.py),
+form (one pass over both block lists), the Gluon forward (no block mask, head dims 256 and
+96), the backward's dQ and dK/dV kernels (pointer and TMA, and the dQ kernel's deterministic
+fixed-point scatter), the Gluon dQ (deterministic too), dK/dV and fused kernels, with and
+without a block mask, the fused backward's delta kernel, decode,
+decode_merge (softmax and sigmoid), block_mask, block_lists and paged_write (linear and linear_decode: tests/test_linear.py),
 and varlen_attention's forms of the forward (tl and Gluon) and backward kernels. Each case renders a spec the way the
 runtime makes it (nothing is launched, so a CPU renders TMA and Gluon kernels too), with a
 padded head dim (80 -> 128, 48 -> 64) where the template masks head-dim lanes. Files: tests/snapshots/test_template_snapshots/.
@@ -86,9 +87,9 @@ def attention(part, score_mod=None, mask_mod=None, options=None, det=False, Lq=L
     return render
 
 
-def gluon_backward(part, score_mod=None, mask_mod=None, D=64, block=None):
-    """A Gluon backward kernel (sm_90; ``part`` "dq", "dkdv" or "fused"), planned as on a Hopper GPU and
-    rendered on CPU."""
+def gluon(part, score_mod=None, mask_mod=None, D=64, block=None, det=False):
+    """A Gluon kernel (sm_90; ``part`` "forward", "dq", "dkdv" or "fused"), planned as on a Hopper GPU
+    and rendered on CPU."""
     def render():
         from flexgen.runtime import plan as plan_module
         real = plan_module.gluon_unavailable
@@ -98,8 +99,9 @@ def gluon_backward(part, score_mod=None, mask_mod=None, D=64, block=None):
             q, k, v = qkv(L, D, D)
             mask = None if mask_mod is None else create_block_mask(
                 mask_mod, 1, None, L, L, device="cpu", **({} if block is None else {"BLOCK_SIZE": block}))
-            return kernel_source(q, k, v, score_mod, mask, enable_gqa=True,
-                                 kernel_options={"BACKEND": "gluon"}, part=part)
+            with deterministic(det):
+                return kernel_source(q, k, v, score_mod, mask, enable_gqa=True,
+                                     kernel_options={"BACKEND": "gluon"}, part=part)
         finally:
             plan_module.gluon_unavailable = real
             plan_module.clear_memos()
@@ -123,11 +125,18 @@ def decode_api(score_mod, mask_mod, D=64, Dv=64):
     return render
 
 
-def decode_merge(Dv):
-    """The kernel merging decode's splits, from the plan of a one-query call."""
+def decode_merge(Dv, sigmoid=False):
+    """The kernel merging decode's splits, from the plan of a one-query call (sigmoid_attention's
+    with ``sigmoid``: its splits' sums add, no LSE)."""
     def render():
         q, k, v = qkv(1, 64, Dv)
-        return source(flexgen.api.plan(q, k, v, enable_gqa=True).decode.merge_spec)
+        if not sigmoid:
+            return source(flexgen.api.plan(q, k, v, enable_gqa=True).decode.merge_spec)
+        from flexgen.api import _mods, check_scale
+        from flexgen.runtime.options import parse_options
+        from flexgen.runtime.plan import plan_sigmoid
+        plan = plan_sigmoid(q, k, v, *_mods(None, None), check_scale(None, 64), True, parse_options(None).text)
+        return source(plan.decode.merge_spec)
     return render
 
 
@@ -193,6 +202,12 @@ CASES = {
     # forward, float32: one loop over the partial and the full blocks, mask_mod under a branch
     "forward_float32_softcap_document": ("forward", "if in_partial:", attention(
         "forward", M.tanh_softcap(30.0), M.document_mask(DOC), dtype=torch.float32)),
+    # forward, Gluon (sm_90): no block lists; head dim 256 (64-key slots, two deep); 96 padded to 128
+    "forward_gluon_no_mask": ("forward_gluon", "sparse_q, sparse_kv = BLOCK_M, BLOCK_N", gluon("forward")),
+    "forward_gluon_softcap_causal_d256": ("forward_gluon", "BLOCK_N = 64", gluon(
+        "forward", M.tanh_softcap(30.0), M.causal_mask, D=256)),
+    "forward_gluon_padded_alibi_document_d96": ("forward_gluon", "HEAD_COLS = 128", gluon(
+        "forward", M.alibi(slopes=M.alibi_slopes(4)), M.document_mask(DOC), D=96)),
     # backward: dQ
     "dq_relbias_window": ("backward", "tl.atomic_add(", attention("dq", rel_bias(), M.sliding_window(32))),
     "dq_deterministic_relbias_window": ("backward", "tl.floor(g_val", attention(
@@ -209,26 +224,34 @@ CASES = {
     "dkdv_padded_alibi_document": ("backward", "< 80", attention(
         "dkdv", M.alibi(slopes=M.alibi_slopes(4)), M.document_mask(DOC), **PAD)),
     # backward: the Gluon dK/dV kernel (sm_90): two consumer warpgroups, and one (KV_BLOCK 64)
-    "dkdv_gluon_softcap_causal": ("backward_gluon", "warpgroup_mma(", gluon_backward(
+    "dkdv_gluon_softcap_causal": ("backward_gluon", "warpgroup_mma(", gluon(
         "dkdv", M.tanh_softcap(30.0), M.causal_mask)),
-    "dkdv_gluon_alibi_document_kv64_d128": ("backward_gluon", "CONSUMERS = gl.constexpr(1)", gluon_backward(
+    "dkdv_gluon_alibi_document_kv64_d128": ("backward_gluon", "CONSUMERS = gl.constexpr(1)", gluon(
         "dkdv", M.alibi(slopes=M.alibi_slopes(4)), M.document_mask(DOC), D=128, block=(128, 64))),
-    "dq_gluon_softcap_causal_d128": ("backward_gluon", "dq = warpgroup_mma(ds_op", gluon_backward(
+    "dq_gluon_softcap_causal_d128": ("backward_gluon", "dq = warpgroup_mma(ds_op", gluon(
         "dq", M.tanh_softcap(30.0), M.causal_mask, D=128)),
-    "dq_gluon_alibi_document": ("backward_gluon", "delta_r = gl.sum(", gluon_backward(
+    "dq_gluon_alibi_document": ("backward_gluon", "delta_r = gl.sum(", gluon(
         "dq", M.alibi(slopes=M.alibi_slopes(4)), M.document_mask(DOC))),
+    # without a block mask: every tile, unmasked (no lists)
+    "dq_gluon_no_mask": ("backward_gluon", "sparse_q, sparse_kv = BLOCK_M, BLOCK_N", gluon("dq")),
+    "dkdv_gluon_no_mask": ("backward_gluon", "return 0, gl.cdiv(Q_LEN, TILE_M)", gluon("dkdv")),
     # ... adding a learned relative-position table's gradient, a sum per tile diagonal
-    "dq_gluon_learned_relative_causal": ("backward_gluon", "g_rot = gl.gather(g_tile", gluon_backward(
+    "dq_gluon_learned_relative_causal": ("backward_gluon", "g_rot = gl.gather(g_tile", gluon(
         "dq", learned_relative_bias(), M.causal_mask)),
+    # ... and in deterministic mode, its sums as int64 fixed point
+    "dq_gluon_deterministic_relbias_window": ("backward_gluon", "gl.floor(g_val", gluon(
+        "dq", rel_bias(), M.sliding_window(32), det=True)),
     # backward: the fused Gluon kernel (dK, dV, and dQ by TMA reduce-adds): its warpgroups
     # share the dSᵀ tile and split dQ's columns (at head dim 128 the tile is dK's operand too),
     # except at head dim 128 under a soft-cap; and the kernel before it (delta, the zeroed sum)
-    "fused_gluon_softcap_causal_d128": ("backward_gluon", "_tma_atomic_add(DQ", gluon_backward(
+    "fused_gluon_softcap_causal_d128": ("backward_gluon", "_tma_atomic_add(DQ", gluon(
         "fused", M.tanh_softcap(30.0), M.causal_mask, D=128)),
-    "fused_gluon_causal_d128": ("backward_gluon", "dk = warpgroup_mma(ds_bufs", gluon_backward(
+    "fused_gluon_causal_d128": ("backward_gluon", "dk = warpgroup_mma(ds_bufs", gluon(
         "fused", None, M.causal_mask, D=128)),
-    "fused_gluon_softcap_causal": ("backward_gluon", "mbarrier.wait(ds_ready", gluon_backward(
+    "fused_gluon_softcap_causal": ("backward_gluon", "mbarrier.wait(ds_ready", gluon(
         "fused", M.tanh_softcap(30.0), M.causal_mask)),
+    # (without a block mask: plain rows at head dim 128, as AUTO fuses them)
+    "fused_gluon_no_mask_d128": ("backward_gluon", "return 0, gl.cdiv(Q_LEN, TILE_M)", gluon("fused", D=128)),
     "backward_delta": ("backward_delta", "tl.sum(", lambda: source(delta_spec(128, 128, torch.bfloat16))),
     "backward_delta_padded": ("backward_delta", "< 48", lambda: source(delta_spec(**PAD, dtype=torch.float16))),
     # decode (a few queries)
@@ -238,6 +261,7 @@ CASES = {
     "decode_api_alibi_causal": ("decode", "q_idx", decode_api(M.alibi(4), M.causal_mask)),
     "decode_merge": ("decode_merge", "L_PART", decode_merge(64)),
     "decode_merge_padded": ("decode_merge", "< 48", decode_merge(48)),
+    "decode_merge_sigmoid": ("decode_merge", "acc += tl.load(O_PART", decode_merge(64, sigmoid=True)),
     # varlen_attention: packed sequences, a mask's band in place of block lists
     "forward_varlen_softcap_window": ("forward", "full_hi", varlen("forward", M.tanh_softcap(20.0), window)),
     "forward_gluon_varlen_causal": ("forward_gluon", "cu_q", varlen("forward", None, M.causal_mask, gluon=True)),
