@@ -491,7 +491,7 @@ def test_a_backward_call_keys_its_kernels_replays_once(monkeypatch):
 
     def call(dtype=torch.float32):
         fresh = tuple(torch.randn(1, 2, 8, 4, dtype=dtype) for _ in range(3)) + (None,)
-        run = kernels._Launcher(plan, fresh, (), (), lists, None)
+        run = kernels._Launcher(plan, fresh, fresh, (), (), lists, None)
         for spec in specs:
             run(spec, dict)
         return fresh

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 from triton.compiler.errors import CompilationError
 
-from ..codegen.spec import KernelSpec, kernel_spec, pad_head_dim, tma_addressable
+from ..codegen.spec import KernelSpec, kernel_spec, pad_head_dim, tma_addressable, tma_layout_ok
 from ..errors import expected
 from ..frontend.lowering import lower
 from ..runtime import launch, tuning
@@ -170,6 +170,21 @@ def _addressable(tensors, dtype) -> bool:
     return all(t is None or (t.dtype == dtype and tma_addressable(t)) for t in tensors)
 
 
+def _fixed_addressable(plan, tensors) -> bool:
+    """``_addressable`` of (query, key, value, dq, dk, dv) in the query's dtype: the plan fixes
+    their layouts and dtypes (its key holds the first three's, the others are made from them;
+    dk and dv are None where not computed), so the verdict on those is taken once per plan
+    (kept with its backward plans: ~2.5 us a call on the dev CPU), the 16-byte alignment of
+    their addresses at every call."""
+    memo = ("addressable", tensors[4] is None)
+    fixed = plan.backward.get(memo)
+    if fixed is None:
+        dtype = tensors[0].dtype
+        fixed = plan.backward[memo] = all(t is None or (t.dtype == dtype and tma_layout_ok(
+            t.shape, t.stride(), t.element_size())) for t in tensors)
+    return fixed and all(t is None or not t.data_ptr() & 15 for t in tensors)
+
+
 def run_backward(bw: BackwardPlan, plan, query, key, value, out, lse, grad_out, grad_lse,
                  score_buffers, mask_buffers, block_lists, needs_kv: bool = True, bias=None):
     """(dq, dk, dv, buffer gradients) for one call; dk, dv are None unless ``needs_kv``.
@@ -212,8 +227,12 @@ def run_backward(bw: BackwardPlan, plan, query, key, value, out, lse, grad_out, 
 
     # Checked once for the TMA and the Gluon kernels alike (the Gluon ones read out by pointer).
     addressable = (bw.pointer, bw.gluon_dq, bw.gluon_dkdv, bw.gluon_fused) != (None,) * 4 and _addressable(
-        (query, key, value, grad_out, dq, dk, dv), query.dtype)
+        (grad_out,), query.dtype) and _fixed_addressable(plan, (query, key, value, dq, dk, dv))
     with_out = addressable and _addressable((out,), query.dtype)
+    # (Of the tensors a launch reads, the plan fixes the layouts of query, key, value and of
+    # what is made here from them: delta, dq, dk, dv, dq_sum, the accumulators. out, grad_out,
+    # lse and dlse come from the caller: their layouts key the replays.)
+    layouts = (out, grad_out, lse, dlse)
     dq_spec, dkdv_spec = bw.dq, bw.dkdv
     if bw.pointer is not None and not with_out:
         dq_spec, dkdv_spec = bw.pointer
@@ -223,7 +242,7 @@ def run_backward(bw: BackwardPlan, plan, query, key, value, out, lse, grad_out, 
         # kernel; dQ summed in float32 by TMA reduce-adds across the kv tiles, rounded after.
         dq_sum = torch.empty(query.shape, dtype=torch.float32, device=device)
         poison(dq_sum)
-        run = _Launcher(plan, (query, key, value, out, grad_out, lse, dlse, delta, dq_sum, dk, dv),
+        run = _Launcher(plan, (query, key, value, out, grad_out, lse, dlse, delta, dq_sum, dk, dv), layouts,
                         score_buffers, mask_buffers, block_lists, bias)
         run(bw.fused_delta, lambda: dict(out=out, dout=grad_out, dlse=dlse, delta=delta, dq=dq_sum))
         try:
@@ -235,7 +254,7 @@ def run_backward(bw: BackwardPlan, plan, query, key, value, out, lse, grad_out, 
             if shared_kv:
                 dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
             return dq, dk, dv, buffer_grads(bw, grads, score_buffers)
-    run = _Launcher(plan, (query, key, value, out, grad_out, lse, dlse, delta, dq, dk, dv, *grads),
+    run = _Launcher(plan, (query, key, value, out, grad_out, lse, dlse, delta, dq, dk, dv, *grads), layouts,
                     score_buffers, mask_buffers, block_lists, bias)
     # The dQ kernel runs first in any case: it writes delta, which the dK/dV kernel reads.
     run.either(_gluon(bw.gluon_dq, addressable), dq_spec, functools.partial(inputs, True), bw.tune_blocks)
@@ -258,18 +277,20 @@ class _Launcher:
     """Launches a backward kernel, or replays its launch of an earlier call like this one
     (``launch.Replay``): the same plan, kernel and bias, tensors laid out alike, and the
     captured tensors and block lists at the same addresses (``forward.replay_key``). The
-    call's own tensors (``fresh``: inputs, outputs, gradient accumulators) are swapped in.
+    call's own tensors (``fresh``: inputs, outputs, gradient accumulators) are swapped in;
+    ``layouts``: those of them whose shapes and strides the plan does not fix (the others'
+    are part of the plan's key or made from them), which the key holds (~0.2 us a tensor).
     The replays are kept in the plan beside the forward's, one entry per such call holding its
     kernels' replays by name: a call launches two or three kernels, and its key (some twenty
     tensors' addresses, shapes and strides) and its tensors' signature are taken once for all
     of them, not once per kernel."""
 
-    def __init__(self, plan, fresh, score_buffers, mask_buffers, block_lists, bias):
+    def __init__(self, plan, fresh, layouts, score_buffers, mask_buffers, block_lists, bias):
         self.plan, self.fresh = plan, fresh
         self.origins = (*score_buffers, *mask_buffers, *block_lists)
         # (A backward's key starts with a name: a forward's (replay_key) never does.)
         self.key = ("backward", replay_key(score_buffers, mask_buffers, block_lists, bias),
-                    tuple(None if t is None else (t.shape, t.stride()) for t in fresh))
+                    tuple([None if t is None else (t.shape, t.stride()) for t in layouts]))
         self.replays = plan.replays.get(self.key)        # kernel name -> Replay, or None
         self.signature = None                            # the fresh tensors', once needed
 
