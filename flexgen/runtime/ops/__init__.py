@@ -294,16 +294,31 @@ class _EagerAttentionCtx(_EagerAttention):
     """``_EagerAttention`` with its context set up inside the forward: what ``apply`` takes under
     no torch.func transform. A Function with a ``setup_context`` costs ~30 us more a call on
     the dev CPU (its arguments bound to forward's signature, its inputs and outputs packed for
-    ``setup_context``): 53 against 20 us for an empty forward with these arguments."""
+    ``setup_context``): 53 against 20 us for an empty forward with these arguments.
+
+    ``apply(query, key, value, rest, plan, block_lists, *tensors)``: ``tensors`` the captured
+    tensors, the mask's after the score_mod's; the block lists one argument (a tuple), not
+    inputs. They are int32 (``torch_compat.kernel_lists``), never differentiated, and
+    ``apply`` handles each input it takes (~2 us a call for the eight on the dev CPU); they
+    are saved as before, so one changed in place before the backward still raises."""
 
     setup_context = torch.autograd.Function.setup_context     # not defined: the forward's ctx
 
     @staticmethod
-    def forward(ctx, query, key, value, rest, plan, *tensors):
-        lists = _EagerAttention._lists(rest, tensors)
+    def forward(ctx, query, key, value, rest, plan, block_lists, *tensors):
+        ns = rest[0][0]
+        lists = list(tensors[:ns]), list(tensors[ns:]), list(block_lists)
         output = _attention(query, key, value, *lists, *rest[1:], plan=plan)
         _save(ctx, query, key, value, output, *lists, rest[1:], plan)
         return output
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, grad_lse, grad_max):
+        needs = ctx.needs_input_grad        # (query, key, value, rest, plan, block_lists, *tensors)
+        ns, nm, _ = ctx.counts
+        dq, dk, dv, grads = _gradients(ctx, grad_out, grad_lse, needs[:3], needs[6:6 + ns], through_op=False)
+        return (dq, dk, dv, None, None, None, *grads, *[None] * nm)
 
 
 def _eager_plan(query, key, value, score_buffers, mask_buffers, block_lists, score_mod, mask_mod,
@@ -327,15 +342,18 @@ def call_attention(query, key, value, score_buffers, mask_buffers, block_lists, 
     through ``_EagerAttention`` where only autograd does."""
     args = (query, key, value, list(score_buffers), list(mask_buffers), list(block_lists), score_mod,
             mask_mod, list(block_size), list(mask_lengths), scale, enable_gqa, options, want_max)
-    tensors = (*score_buffers, *mask_buffers, *block_lists)
-    if _plain(query, key, value, *tensors):
+    if _plain(query, key, value, *score_buffers, *mask_buffers, *block_lists):
         differentiated = _wants_grad(query, key, value, *score_buffers)
-        if not differentiated and not _wants_grad(*mask_buffers, *block_lists):
+        # (The block lists are int32, kernel_lists: none of them requires grad.)
+        if not differentiated and not _wants_grad(*mask_buffers):
             return _attention(*args)
-        counts = (len(score_buffers), len(mask_buffers), len(block_lists))
-        function = _EagerAttention if torch._C._are_functorch_transforms_active() else _EagerAttentionCtx
-        return function.apply(query, key, value, (counts, *args[6:]), _eager_plan(*args, differentiated),
-                              *tensors)
+        rest = ((len(score_buffers), len(mask_buffers), len(block_lists)), *args[6:])
+        plan = _eager_plan(*args, differentiated)
+        if torch._C._are_functorch_transforms_active():
+            return _EagerAttention.apply(query, key, value, rest, plan, *score_buffers, *mask_buffers,
+                                         *block_lists)
+        return _EagerAttentionCtx.apply(query, key, value, rest, plan, tuple(block_lists), *score_buffers,
+                                        *mask_buffers)
     if _checks_backward(query, key, value, *score_buffers):
         check_backward(*args)      # before the forward kernel runs (torch.compile: setup_context)
     return torch.ops.flexgen.attention(*args)
