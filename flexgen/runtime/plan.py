@@ -196,6 +196,14 @@ def _key(*tensors) -> tuple:
     return tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors)
 
 
+def _allow_tf32(query) -> bool | None:
+    """``torch.backends.cuda.matmul.allow_tf32`` for a query on a GPU (fp32 dots may take tf32:
+    part of a plan's key), else None. Read as that attribute reads it, without its module's
+    ``__getattr__`` (~0.5 us on the dev CPU, ~1.5 on the GPU machines' host: an eighth of a warm
+    plan lookup)."""
+    return torch._C._get_cublas_allow_tf32() if query.device.type == "cuda" else None
+
+
 def _memo(cache: dict, key, make):
     try:
         hit = cache.get(key)
@@ -292,8 +300,7 @@ def plan_attention(query, key, value, score_mod: str, score_buffers, mask_mod: s
     """
     memo = (_key(query, key, value), score_mod, _key(*score_buffers), mask_mod, _key(*mask_buffers),
             _key(*block_lists[:2]), tuple(block_size), tuple(mask_lengths), scale, enable_gqa, options,
-            want_max, torch.backends.cuda.matmul.allow_tf32 if query.device.type == "cuda" else None,
-            positions)
+            want_max, _allow_tf32(query), positions)
     return _memo(_ATTENTION, memo, lambda: _plan_attention(
         query, key, value, score_mod, score_buffers, mask_mod, mask_buffers, block_lists,
         block_size, mask_lengths, scale, enable_gqa, options, want_max, positions))
@@ -814,8 +821,7 @@ def plan_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, score_mod: str, s
                 mask_mod: str, mask_buffers, scale, enable_gqa: bool, options: str) -> VarlenPlan:
     """Check a ``varlen_attention`` call and decide its kernel (memoized on what it reads)."""
     memo = (_key(query, key, value, cu_seqlens_q, cu_seqlens_k), score_mod, _key(*score_buffers),
-            mask_mod, _key(*mask_buffers), scale, enable_gqa, options,
-            torch.backends.cuda.matmul.allow_tf32 if query.device.type == "cuda" else None)
+            mask_mod, _key(*mask_buffers), scale, enable_gqa, options, _allow_tf32(query))
     return _memo(_VARLEN, memo, lambda: _plan_varlen(
         query, key, value, cu_seqlens_q, cu_seqlens_k, score_mod, score_buffers, mask_mod,
         mask_buffers, scale, enable_gqa, options))
@@ -918,7 +924,7 @@ def _sigmoid_plans(query, key, value, score_mod, score_buffers, mask_mod, mask_b
     memoized."""
     memo = (_key(query, key, value), score_mod, _key(*score_buffers), mask_mod, _key(*mask_buffers),
             _key(*block_lists[:2]), tuple(block_size), tuple(mask_lengths), scale, enable_gqa, options,
-            torch.backends.cuda.matmul.allow_tf32 if query.device.type == "cuda" else None)
+            _allow_tf32(query))
 
     def make():
         # The Gluon forward kernel where softmax takes it (AUTO's rule, or BACKEND "gluon" and
