@@ -36,6 +36,8 @@ table on the device is updated only when a sequence needs a new page.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..errors import InputError, expected
@@ -47,16 +49,22 @@ class CacheFullError(InputError):
 
 
 def _host_bookkeeping(method):
-    """A cache method that allocates pages and counts tokens in Python: torch.compile runs it
-    as it is (a graph break; ``fullgraph=True`` refuses it with this reason) rather than trace
-    it, where the lengths it reads would be specialized in the graph, one recompile a step."""
-    reason = ("PagedKVCache's page allocation and token counts live in Python; call append / "
-              "reserve / add_sequence / free outside the compiled function (cache.attention "
-              "compiles once)")
-    try:
-        return torch.compiler.disable(method, reason=reason)
-    except TypeError:       # a torch before disable's reason
-        return torch.compiler.disable(method)
+    """A cache method that allocates pages and counts tokens in Python: torch.compile runs it as
+    it is (a graph break; ``fullgraph=True`` refuses it with the reason) rather than trace it,
+    where the lengths it reads would be specialized in the graph, one recompile a step. Only a
+    trace reaches torch._dynamo (loaded then): torch.compiler.disable at import would import it,
+    and sympy with it, into every process that imports flexgen."""
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            torch._dynamo.graph_break(msg=_BOOKKEEPING)    # (fullgraph=True: the error, with this)
+            return torch.compiler.disable(method)(*args, **kwargs)
+        return method(*args, **kwargs)
+    return call
+
+
+_BOOKKEEPING = ("PagedKVCache's page allocation and token counts live in Python; call append / reserve / "
+                "add_sequence / free outside the compiled function (cache.attention compiles once)")
 
 
 def _positive(name, value, fix):
