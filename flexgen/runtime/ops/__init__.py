@@ -278,10 +278,15 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_lse, grad_max):
-        needs = ctx.needs_input_grad               # (query, key, value, rest, plan, *tensors)
-        ns, nm, nl = ctx.counts
-        dq, dk, dv, grads = _gradients(ctx, grad_out, grad_lse, needs[:3], needs[5:5 + ns], through_op=False)
-        return (dq, dk, dv, None, None, *grads, *[None] * (nm + nl))
+        return _eager_gradients(ctx, grad_out, grad_lse, 5)    # (query, key, value, rest, plan, *tensors)
+
+
+def _eager_gradients(ctx, grad_out, grad_lse, first) -> tuple:
+    """The eager Functions' backward: a gradient for each of ``apply``'s arguments, q, k, v's
+    and the score_mod's captured tensors' (which start at argument ``first``), None elsewhere."""
+    needs, ns = ctx.needs_input_grad, ctx.counts[0]
+    dq, dk, dv, grads = _gradients(ctx, grad_out, grad_lse, needs[:3], needs[first:first + ns], through_op=False)
+    return (dq, dk, dv, *[None] * (first - 3), *grads, *[None] * (len(needs) - first - ns))
 
 
 # torch's Function.apply binds its arguments to forward's signature on every call of a
@@ -315,10 +320,8 @@ class _EagerAttentionCtx(_EagerAttention):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_lse, grad_max):
-        needs = ctx.needs_input_grad        # (query, key, value, rest, plan, block_lists, *tensors)
-        ns, nm, _ = ctx.counts
-        dq, dk, dv, grads = _gradients(ctx, grad_out, grad_lse, needs[:3], needs[6:6 + ns], through_op=False)
-        return (dq, dk, dv, None, None, None, *grads, *[None] * nm)
+        # (query, key, value, rest, plan, block_lists, *tensors)
+        return _eager_gradients(ctx, grad_out, grad_lse, 6)
 
 
 def _eager_plan(query, key, value, score_buffers, mask_buffers, block_lists, score_mod, mask_mod,
